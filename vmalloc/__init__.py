@@ -1,0 +1,33 @@
+"""vmalloc: a virtual-addressing GPU memory allocator.
+
+Physical memory is a pool of fixed-size chunks mapped into contiguous reserved virtual ranges,
+so freed memory never fragments physically. Runs on an emulated device (:class:`HostDevice`)
+without a GPU, or on a real one through the CUDA driver.
+"""
+
+from vmalloc.errors import (
+    DeviceError,
+    InvalidArgumentError,
+    InvalidPointerError,
+    OutOfMemoryError,
+    VmallocError,
+)
+from vmalloc.sizes import format_size, parse_size
+from vmalloc.stats import Stats
+from vmalloc._device import Device
+from vmalloc._allocator import Allocator
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Allocator",
+    "Device",
+    "DeviceError",
+    "InvalidArgumentError",
+    "InvalidPointerError",
+    "OutOfMemoryError",
+    "Stats",
+    "VmallocError",
+    "format_size",
+    "parse_size",
+]

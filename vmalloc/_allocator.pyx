@@ -1,0 +1,111 @@
+# cython: language_level=3
+"""The Python face of the allocator interface, shared by every vmalloc allocator."""
+
+from libc.stdint cimport uintptr_t
+
+from vmalloc._device cimport stream_handle
+from vmalloc.errors import OutOfMemoryError
+from vmalloc.sizes import MAX_SIZE, parse_size
+from vmalloc.stats import Stats
+
+
+cdef object stats_from_c(const CStats& s):
+    return Stats(
+        requested_bytes=s.requested_bytes,
+        peak_requested_bytes=s.peak_requested_bytes,
+        reserved_bytes=s.reserved_bytes,
+        peak_reserved_bytes=s.peak_reserved_bytes,
+        allocated_bytes=s.allocated_bytes,
+        peak_allocated_bytes=s.peak_allocated_bytes,
+        internal_fragmentation_bytes=s.internal_fragmentation_bytes,
+        peak_internal_fragmentation_bytes=s.peak_internal_fragmentation_bytes,
+        cached_bytes=s.cached_bytes,
+        live_allocations=s.live_allocations,
+        peak_live_allocations=s.peak_live_allocations,
+        total_allocations=s.total_allocations,
+        total_deallocations=s.total_deallocations,
+        out_of_memory_count=s.out_of_memory_count,
+    )
+
+
+cdef class Allocator:
+    """Base of every vmalloc allocator: allocate / deallocate device memory on a stream.
+
+    Not constructed directly. Thread-safe. Sizes are ints or strings such as ``"2MiB"``;
+    streams are ints (``CUstream`` handles, 0 = default) or CuPy/PyTorch stream objects.
+    """
+
+    cdef CAllocator* get(self) except NULL:
+        if not self.c_allocator:
+            raise RuntimeError("allocator is not initialized")
+        return self.c_allocator.get()
+
+    @property
+    def name(self):
+        """``"virtual"``, ``"caching"``, ..."""
+        return self.get().name().decode()
+
+    def allocate(self, nbytes, stream=0):
+        """Returns the device address of ``nbytes`` bytes usable on ``stream``.
+
+        ``allocate(0)`` returns 0 and counts nothing (PyTorch's and CuPy's convention).
+        Raises :class:`vmalloc.OutOfMemoryError` (with ``.stats``) when the memory cannot be
+        had, :class:`vmalloc.InvalidArgumentError` for a negative or absurd size.
+        """
+        cdef size_t n
+        cdef uintptr_t s
+        cdef uintptr_t p
+        cdef CAllocator* a = self.get()
+        if type(nbytes) is int and 0 <= nbytes <= MAX_SIZE:
+            n = nbytes
+        else:
+            n = parse_size(nbytes, "nbytes")
+        s = stream_handle(stream)
+        try:
+            with nogil:
+                p = a.allocate(n, s)
+        except OutOfMemoryError as error:
+            error.stats = self.stats()
+            raise
+        return p
+
+    def deallocate(self, ptr, nbytes=None, stream=0):
+        """Gives back the allocation at ``ptr``. ``nbytes``, when given, must be the size asked
+        for. It is reusable at once on ``stream``; other streams wait for the work queued on
+        ``stream`` before this call. Raises :class:`vmalloc.InvalidPointerError` for a pointer
+        that is not live here (nothing changes)."""
+        cdef uintptr_t p
+        cdef size_t n
+        cdef uintptr_t s
+        cdef CAllocator* a = self.get()
+        if type(ptr) is not int or ptr < 0:
+            raise TypeError(f"ptr must be a non-negative int device address, got {ptr!r}")
+        p = ptr
+        n = unknown_size if nbytes is None else parse_size(nbytes, "nbytes")
+        s = stream_handle(stream)
+        with nogil:
+            a.deallocate(p, n, s)
+
+    def release_cached(self):
+        """Returns cached physical memory to the device; the number of bytes given back."""
+        cdef CAllocator* a = self.get()
+        with nogil:
+            n = a.release_cached()
+        return n
+
+    def stats(self):
+        """A :class:`vmalloc.Stats` snapshot."""
+        return stats_from_c(self.get().stats())
+
+    def reset_peak_stats(self):
+        """Sets every ``peak_*`` statistic to its current value."""
+        self.get().reset_peak_stats()
+
+    def allocation_size(self, uintptr_t ptr):
+        """The size asked for when the live allocation at ``ptr`` was made."""
+        return self.get().allocation_size(ptr)
+
+    def __repr__(self):
+        if not self.c_allocator:
+            return f"<{type(self).__name__} (uninitialized)>"
+        return f"<{type(self).__name__} on {self.device.name}: {self.get().stats().summary().decode()}>"

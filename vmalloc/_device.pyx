@@ -1,0 +1,274 @@
+# cython: language_level=3
+"""The Python face of the device interface; HostDevice and CudaDevice derive from it."""
+
+from libc.stdint cimport uint64_t, uintptr_t
+
+from vmalloc.sizes import parse_size
+
+
+cdef uintptr_t stream_handle(object stream) except? 0:
+    if type(stream) is int:
+        return <uintptr_t>stream
+    if stream is None:
+        return 0
+    for attribute in ("ptr", "cuda_stream", "handle"):
+        value = getattr(stream, attribute, None)
+        if isinstance(value, int):
+            return <uintptr_t>value
+    raise TypeError(f"stream must be an int (a CUstream handle) or a CuPy/PyTorch stream, "
+                    f"got {type(stream).__name__}")
+
+
+def _call_names():
+    return [driver_call_name_at(i).decode() for i in range(driver_call_count)]
+
+
+cdef class Device:
+    """A GPU, real (:class:`CudaDevice`) or emulated (:class:`HostDevice`).
+
+    Not constructed directly. All methods are thread-safe; failures raise
+    :class:`vmalloc.DeviceError` naming the driver call and its ``CUresult``.
+    """
+
+    cdef CDevice* get(self) except NULL:
+        if not self.c_device:
+            raise RuntimeError("device is not initialized")
+        return self.c_device.get()
+
+    @property
+    def name(self):
+        """``"host:0"``, ``"cuda:0"``, ..."""
+        return self.get().name().decode()
+
+    @property
+    def ordinal(self):
+        return self.get().ordinal()
+
+    @property
+    def granularity(self):
+        """Minimum allocation granularity in bytes (sizes of physical chunks are multiples)."""
+        return self.get().granularity()
+
+    @property
+    def recommended_granularity(self):
+        return self.get().recommended_granularity()
+
+    @property
+    def capacity(self):
+        """Physical bytes the device can hold, or None when unlimited."""
+        cdef size_t c = self.get().capacity()
+        return None if c == 0 else c
+
+    @property
+    def backed(self):
+        """False for an accounting-only device (its memory cannot be read or written)."""
+        return self.get().backed()
+
+    @property
+    def physical_bytes_in_use(self):
+        """Bytes of physical memory created and not yet freed."""
+        return self.get().physical_bytes_in_use()
+
+    def counters(self):
+        """Driver-equivalent calls made so far, by name (``create``, ``release``, ``reserve``,
+        ``free_address``, ``map``, ``unmap``, ``set_access``, ...), plus ``bytes_to_device``,
+        ``bytes_to_host``, ``bytes_device``, ``memory_management_calls``, ``modeled_seconds``
+        (the calls' cost under :meth:`cost_model`) and ``modeled_copy_seconds``."""
+        cdef CounterSnapshot s = self.get().counters()
+        result = {driver_call_name_at(i).decode(): s.call_count_at(i)
+                  for i in range(driver_call_count)}
+        result["memory_management_calls"] = s.memory_management_calls()
+        result["bytes_to_device"] = s.bytes_to_device
+        result["bytes_to_host"] = s.bytes_to_host
+        result["bytes_device"] = s.bytes_device
+        result["modeled_seconds"] = s.modeled_seconds
+        result["modeled_copy_seconds"] = s.modeled_copy_seconds
+        return result
+
+    def reset_counters(self):
+        self.get().reset_counters()
+
+    def cost_model(self):
+        """Seconds per call by call name, and copy bandwidths in bytes per second."""
+        cdef CostModel m = self.get().cost_model()
+        result = {driver_call_name_at(i).decode(): m.seconds_at(i)
+                  for i in range(driver_call_count)}
+        result["to_device_bytes_per_second"] = m.to_device_bytes_per_second
+        result["to_host_bytes_per_second"] = m.to_host_bytes_per_second
+        result["device_bytes_per_second"] = m.device_bytes_per_second
+        return result
+
+    def set_cost_model(self, **costs):
+        """Overrides model costs: ``dev.set_cost_model(create=7.6e-6, map=1.05e-6)``."""
+        cdef CostModel m = self.get().cost_model()
+        names = _call_names()
+        for key, value in costs.items():
+            value = float(value)
+            if value < 0:
+                raise ValueError(f"cost {key}={value} must not be negative")
+            if key in names:
+                m.set_seconds_at(names.index(key), value)
+            elif key == "to_device_bytes_per_second":
+                m.to_device_bytes_per_second = value
+            elif key == "to_host_bytes_per_second":
+                m.to_host_bytes_per_second = value
+            elif key == "device_bytes_per_second":
+                m.device_bytes_per_second = value
+            else:
+                raise ValueError(f"unknown cost {key!r}; known: {', '.join(names)}")
+        self.get().set_cost_model(m)
+
+    # --- blocking data access, for users and tests ---
+
+    def write(self, ptr, data, stream=0):
+        """Copies the bytes of ``data`` (any buffer) to device address ``ptr``; blocks until done."""
+        cdef const unsigned char[::1] view = memoryview(data).cast("B")
+        cdef uintptr_t dst = ptr
+        cdef uintptr_t s = stream_handle(stream)
+        cdef size_t n = view.shape[0]
+        cdef CDevice* d = self.get()
+        if n == 0:
+            return
+        with nogil:
+            d.copy_to_device(dst, &view[0], n, s)
+            d.synchronize_stream(s)
+
+    def read(self, ptr, nbytes, stream=0):
+        """Returns ``nbytes`` bytes read from device address ``ptr``; blocks until done."""
+        cdef size_t n = parse_size(nbytes, "nbytes")
+        out = bytearray(n)
+        cdef unsigned char[::1] view = out
+        cdef uintptr_t src = ptr
+        cdef uintptr_t s = stream_handle(stream)
+        cdef CDevice* d = self.get()
+        if n == 0:
+            return b""
+        with nogil:
+            d.copy_to_host(&view[0], src, n, s)
+            d.synchronize_stream(s)
+        return bytes(out)
+
+    # --- the driver-shaped calls themselves (for tests and advanced users) ---
+
+    def create(self, size):
+        """cuMemCreate: a physical allocation of ``size`` bytes; returns its handle."""
+        cdef size_t n = parse_size(size)
+        cdef CDevice* d = self.get()
+        with nogil:
+            h = d.create(n)
+        return h
+
+    def release(self, uint64_t handle):
+        """cuMemRelease."""
+        cdef CDevice* d = self.get()
+        with nogil:
+            d.release(handle)
+
+    def reserve(self, size, alignment=0):
+        """cuMemAddressReserve: returns the base address of a new reservation."""
+        cdef size_t n = parse_size(size)
+        cdef size_t a = parse_size(alignment, "alignment")
+        cdef CDevice* d = self.get()
+        with nogil:
+            p = d.reserve(n, a)
+        return p
+
+    def free_address(self, uintptr_t ptr, size):
+        """cuMemAddressFree."""
+        cdef size_t n = parse_size(size)
+        cdef CDevice* d = self.get()
+        with nogil:
+            d.free_address(ptr, n)
+
+    def map(self, uintptr_t ptr, size, uint64_t handle):
+        """cuMemMap (offset 0): maps the whole allocation ``handle`` at ``ptr``."""
+        cdef size_t n = parse_size(size)
+        cdef CDevice* d = self.get()
+        with nogil:
+            d.map(ptr, n, handle)
+
+    def unmap(self, uintptr_t ptr, size):
+        """cuMemUnmap."""
+        cdef size_t n = parse_size(size)
+        cdef CDevice* d = self.get()
+        with nogil:
+            d.unmap(ptr, n)
+
+    def set_access(self, uintptr_t ptr, size):
+        """cuMemSetAccess: read-write for this device."""
+        cdef size_t n = parse_size(size)
+        cdef CDevice* d = self.get()
+        with nogil:
+            d.set_access(ptr, n)
+
+    def host_alloc(self, size):
+        """cuMemHostAlloc: pinned host memory; returns its address as an int."""
+        cdef size_t n = parse_size(size)
+        cdef CDevice* d = self.get()
+        with nogil:
+            p = d.host_alloc(n)
+        return <uintptr_t>p
+
+    def host_free(self, uintptr_t ptr):
+        """cuMemFreeHost."""
+        cdef CDevice* d = self.get()
+        with nogil:
+            d.host_free(<void*>ptr)
+
+    def create_stream(self):
+        return self.get().create_stream()
+
+    def destroy_stream(self, stream):
+        self.get().destroy_stream(stream_handle(stream))
+
+    def create_event(self):
+        return self.get().create_event()
+
+    def destroy_event(self, uintptr_t event):
+        self.get().destroy_event(event)
+
+    def record_event(self, uintptr_t event, stream=0):
+        self.get().record_event(event, stream_handle(stream))
+
+    def query_event(self, uintptr_t event):
+        return self.get().query_event(event)
+
+    def synchronize_event(self, uintptr_t event):
+        cdef CDevice* d = self.get()
+        with nogil:
+            d.synchronize_event(event)
+
+    def wait_event(self, stream, uintptr_t event):
+        self.get().wait_event(stream_handle(stream), event)
+
+    def synchronize_stream(self, stream=0):
+        cdef uintptr_t s = stream_handle(stream)
+        cdef CDevice* d = self.get()
+        with nogil:
+            d.synchronize_stream(s)
+
+    def synchronize(self):
+        cdef CDevice* d = self.get()
+        with nogil:
+            d.synchronize()
+
+    def copy_to_device(self, uintptr_t dst, uintptr_t src, nbytes, stream=0):
+        """cuMemcpyHtoDAsync from host address ``src`` (keep it alive until done)."""
+        self.get().copy_to_device(dst, <const void*>src, parse_size(nbytes, "nbytes"),
+                                  stream_handle(stream))
+
+    def copy_to_host(self, uintptr_t dst, uintptr_t src, nbytes, stream=0):
+        """cuMemcpyDtoHAsync to host address ``dst`` (keep it alive until done)."""
+        self.get().copy_to_host(<void*>dst, src, parse_size(nbytes, "nbytes"),
+                                stream_handle(stream))
+
+    def copy_device(self, uintptr_t dst, uintptr_t src, nbytes, stream=0):
+        """cuMemcpyDtoDAsync."""
+        self.get().copy_device(dst, src, parse_size(nbytes, "nbytes"), stream_handle(stream))
+
+    def __repr__(self):
+        if not self.c_device:
+            return f"<{type(self).__name__} (uninitialized)>"
+        cap = self.capacity
+        return (f"<{type(self).__name__} {self.name} granularity={self.granularity} "
+                f"capacity={'unlimited' if cap is None else cap}>")

@@ -1,0 +1,70 @@
+"""Byte sizes written as ints or strings: ``4096``, ``"2MiB"``, ``"40MB"``, ``"1.5GiB"``."""
+
+import re
+
+from vmalloc.errors import InvalidArgumentError
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4, "p": 1000**5, "pb": 1000**5,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "pib": 1024**5,
+}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+#: Largest size vmalloc accepts (2**56 bytes, 64 PiB): larger ones overflow chunk arithmetic.
+MAX_SIZE = 1 << 56
+
+
+def parse_size(value, what="size", allow_none=False):
+    """Returns ``value`` in bytes as an int.
+
+    Accepts a non-negative int, or a string of a number and an optional unit: B, kB/MB/GB/TB/PB
+    (powers of 1000; K, M, G, T, P too) or KiB/MiB/GiB/TiB/PiB (powers of 1024), in any case.
+    A fractional result must be a whole number of bytes ("1.5KiB" is 1536; "0.3B" is an error).
+    Raises InvalidArgumentError naming ``what`` for anything else.
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{what} must be a number of bytes, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str):
+        m = _SIZE.match(value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise InvalidArgumentError(
+                f"{what} {value!r} is not a size: write bytes as an int or a string such as "
+                "'2MiB', '40MB', '1.5GiB'")
+        number, unit = m.group(1), _UNITS[m.group(2).lower()]
+        if "." in number:
+            whole, _, frac = number.partition(".")
+            scaled = int(whole or "0") * unit * 10 ** len(frac) + int(frac or "0") * unit
+            n, rest = divmod(scaled, 10 ** len(frac))
+            if rest:
+                raise InvalidArgumentError(f"{what} {value!r} is not a whole number of bytes")
+        else:
+            n = int(number) * unit
+    else:
+        try:
+            n = int(value.__index__())
+        except (AttributeError, TypeError):
+            raise InvalidArgumentError(
+                f"{what} must be an int or a string such as '2MiB', got {type(value).__name__}"
+            ) from None
+    if n < 0:
+        raise InvalidArgumentError(f"{what} must not be negative, got {n}")
+    if n > MAX_SIZE:
+        raise InvalidArgumentError(f"{what} {n} is larger than vmalloc's limit of 2**56 bytes")
+    return n
+
+
+def format_size(nbytes):
+    """``2097152`` -> ``"2.00 MiB"``; for tables and messages."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} PiB"  # pragma: no cover
