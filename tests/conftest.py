@@ -1,0 +1,61 @@
+"""Shared fixtures: the devices and allocators every allocator test suite runs over.
+
+Add a device or allocator kind by adding an entry below; a kind whose class is not built yet
+is skipped, not failed, so suites can land before every backend does.
+"""
+
+import pytest
+
+import vmalloc
+
+
+def _host_device(**options):
+    return vmalloc.HostDevice(**options)
+
+
+def _cuda_emulator_device(**options):
+    # The strict driver emulator stands in for libcuda.so.1 (see vmalloc.testing).
+    from vmalloc import testing
+
+    return testing.emulated_cuda_device(**options)
+
+
+#: name -> (attribute of vmalloc that must exist, factory(**options) -> Device).
+#: Options understood by every factory: capacity, granularity (and backed for host).
+DEVICE_KINDS = {
+    "host": ("HostDevice", _host_device),
+    "cuda-emulator": ("CudaDevice", _cuda_emulator_device),
+}
+
+#: name -> (attribute of vmalloc that must exist, factory(device, **options) -> Allocator).
+ALLOCATOR_KINDS = {
+    "virtual": ("VirtualAllocator", lambda device, **o: vmalloc.VirtualAllocator(device, **o)),
+    "caching": ("CachingAllocator", lambda device, **o: vmalloc.CachingAllocator(device, **o)),
+}
+
+
+def _available(kinds, name):
+    attribute, factory = kinds[name]
+    if not hasattr(vmalloc, attribute):
+        pytest.skip(f"vmalloc.{attribute} is not built")
+    if name == "cuda-emulator":
+        try:
+            from vmalloc import testing  # noqa: F401
+
+            if not hasattr(testing, "emulated_cuda_device"):
+                pytest.skip("vmalloc.testing.emulated_cuda_device is not built")
+        except ImportError:
+            pytest.skip("vmalloc.testing is not built")
+    return factory
+
+
+@pytest.fixture(params=sorted(DEVICE_KINDS))
+def make_device(request):
+    """A factory of fresh devices of each kind: ``make_device(capacity=..., granularity=...)``."""
+    return _available(DEVICE_KINDS, request.param)
+
+
+@pytest.fixture(params=sorted(ALLOCATOR_KINDS))
+def make_allocator(request):
+    """A factory of allocators of each kind: ``make_allocator(device, **options)``."""
+    return _available(ALLOCATOR_KINDS, request.param)
