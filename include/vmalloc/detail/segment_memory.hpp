@@ -1,0 +1,44 @@
+// One segment's device memory for the caching allocator: what cudaMalloc hands PyTorch, built
+// from the driver's virtual memory calls our Device offers so that every allocator's traffic
+// is counted in the same units. A segment costs 4 driver-equivalent calls to make (cuMemCreate,
+// cuMemAddressReserve, cuMemMap, cuMemSetAccess) and 3 to free (cuMemUnmap, cuMemAddressFree,
+// cuMemRelease); a real cudaMalloc / cudaFree is one call each.
+#pragma once
+
+#include <cstddef>
+
+#include "vmalloc/device.hpp"
+#include "vmalloc/types.hpp"
+
+namespace vmalloc::detail {
+
+class SegmentMemory {
+ public:
+  // Creates, reserves, maps and opens `size` bytes (a multiple of the device granularity).
+  // Throws OutOfMemory when the device cannot create it, DeviceError for other failures;
+  // either way nothing is left behind on the device.
+  SegmentMemory(Device& device, std::size_t size);
+  // Frees what free() did not (best effort: a destructor never throws).
+  ~SegmentMemory();
+  SegmentMemory(const SegmentMemory&) = delete;
+  SegmentMemory& operator=(const SegmentMemory&) = delete;
+
+  // Unmaps the range, frees the reservation and releases the physical allocation. The caller
+  // makes sure no queued work still uses the memory. Throws DeviceError; calling it again
+  // after success is a no-op.
+  void free();
+
+  device_ptr ptr() const noexcept { return ptr_; }
+  std::size_t size() const noexcept { return size_; }
+
+ private:
+  Device& device_;
+  std::size_t size_;
+  physical_handle handle_ = 0;
+  device_ptr ptr_ = 0;
+  bool mapped_ = false;
+  bool reserved_ = false;
+  bool created_ = false;
+};
+
+}  // namespace vmalloc::detail

@@ -1,0 +1,241 @@
+# cython: language_level=3
+"""CachingAllocator: the best-fit caching baseline (PyTorch's CUDACachingAllocator policy)."""
+
+from libc.stdint cimport uintptr_t
+from libcpp cimport bool
+from libcpp.memory cimport shared_ptr, static_pointer_cast
+from libcpp.string cimport string
+from libcpp.vector cimport vector
+
+from vmalloc._allocator cimport Allocator, CAllocator
+from vmalloc._device cimport CDevice, Device, stream_handle, vmalloc_raise_py_error
+
+from vmalloc.errors import InvalidArgumentError
+from vmalloc.sizes import parse_size
+
+
+cdef extern from "vmalloc/caching_allocator.hpp" namespace "vmalloc" nogil:
+    cdef enum class CCachingPolicy "vmalloc::CachingPolicy":
+        pytorch
+        nnabla
+        cupy
+
+    const char* caching_policy_name(CCachingPolicy policy)
+    CCachingPolicy parse_caching_policy(const string& name) except +vmalloc_raise_py_error
+
+    cdef cppclass CCachingAllocatorOptions "vmalloc::CachingAllocatorOptions":
+        CCachingPolicy policy
+        size_t max_split_size
+        size_t max_non_split_rounding_size
+        size_t budget
+
+    cdef cppclass CCachingSegmentStats "vmalloc::CachingSegmentStats":
+        size_t small_segments
+        size_t large_segments
+        size_t small_segment_bytes
+        size_t large_segment_bytes
+        size_t live_blocks
+        size_t free_blocks
+        size_t free_bytes
+        size_t largest_free_block
+        size_t waiting_blocks
+        size_t waiting_bytes
+        size_t unsplit_free_segments
+        size_t segments_created
+        size_t segments_released
+        size_t alloc_retries
+        size_t cache_flushes
+
+    cdef enum class CBlockState "vmalloc::CachingBlockInfo::State":
+        allocated
+        waiting
+        free
+
+    cdef cppclass CCachingBlockInfo "vmalloc::CachingBlockInfo":
+        uintptr_t ptr
+        size_t size
+        size_t requested
+        uintptr_t stream
+        CBlockState state
+
+    cdef cppclass CCachingSegmentInfo "vmalloc::CachingSegmentInfo":
+        uintptr_t ptr
+        size_t size
+        bool small
+        uintptr_t stream
+        vector[CCachingBlockInfo] blocks
+
+    cdef cppclass CCachingAllocator "vmalloc::CachingAllocator"(CAllocator):
+        CCachingAllocator(shared_ptr[CDevice] device,
+                          CCachingAllocatorOptions options) except +vmalloc_raise_py_error
+        void record_stream(uintptr_t ptr, uintptr_t stream) except +vmalloc_raise_py_error
+        CCachingSegmentStats segment_stats() except +vmalloc_raise_py_error
+        vector[CCachingSegmentInfo] snapshot() except +vmalloc_raise_py_error
+        const CCachingAllocatorOptions& options()
+        size_t round_size(size_t nbytes)
+        bool is_small(size_t rounded)
+        size_t segment_size(size_t rounded)
+
+
+cdef extern from "vmalloc/caching_allocator.hpp" namespace "vmalloc::CachingAllocatorOptions" nogil:
+    cdef size_t unlimited
+
+
+_STATE_NAMES = {
+    <int>CBlockState.allocated: "allocated",
+    <int>CBlockState.waiting: "waiting",
+    <int>CBlockState.free: "free",
+}
+
+
+cdef class CachingAllocator(Allocator):
+    """The best-fit caching allocator of PyTorch (``CUDACachingAllocator``), the baseline the
+    virtual allocator is measured against.
+
+    Requests round up to 512 B; those of at most 1 MiB are carved from 2 MiB segments (the
+    small pool), those below 10 MiB from 20 MiB segments, larger ones get a segment of the
+    request rounded up to 2 MiB. Free blocks are cached per stream, reused best fit, split and
+    merged within their segment, and given back only whole segments at a time
+    (:meth:`release_cached`, or when the device runs out of memory). See
+    :doc:`caching_allocator` for every rule.
+
+    Args:
+        device: the :class:`vmalloc.Device` to allocate on.
+        policy: ``"pytorch"`` (default), ``"nnabla"`` (nnabla's
+            ``CachingAllocatorWithBuckets``) or ``"cupy"`` (CuPy's ``MemoryPool``).
+        max_split_size: PyTorch's ``max_split_size_mb`` in bytes (an int or a string such
+            as ``"64MiB"``; at least 20 MiB); None (default) = unlimited. Blocks this large
+            are never split and never serve smaller requests.
+        max_non_split_rounding_size: PyTorch's ``max_non_split_rounding_mb`` in bytes
+            (default 20 MiB, at least 20 MiB): a request of at least ``max_split_size`` only
+            takes a cached block smaller than the request plus this.
+        budget: most bytes of segments to hold at once (like PyTorch's
+            ``set_per_process_memory_fraction`` or CuPy's ``set_limit``); None = only the
+            device's capacity limits.
+
+    Raises:
+        vmalloc.InvalidArgumentError: an unknown policy or an invalid option (the message
+            names it).
+    """
+
+    def __init__(self, Device device not None, policy="pytorch", max_split_size=None,
+                 max_non_split_rounding_size=None, budget=None):
+        cdef CCachingAllocatorOptions options
+        cdef shared_ptr[CCachingAllocator] allocator
+        if not isinstance(policy, str):
+            raise InvalidArgumentError(
+                f"policy must be 'pytorch', 'nnabla' or 'cupy', got {policy!r}")
+        options.policy = parse_caching_policy(policy.encode())
+        if max_split_size is not None:
+            options.max_split_size = parse_size(max_split_size, "max_split_size")
+        if max_non_split_rounding_size is not None:
+            options.max_non_split_rounding_size = parse_size(
+                max_non_split_rounding_size, "max_non_split_rounding_size")
+        if budget is not None:
+            options.budget = parse_size(budget, "budget")
+            if options.budget == 0:
+                raise InvalidArgumentError("budget must be positive, or None for no budget")
+        allocator = shared_ptr[CCachingAllocator](
+            new CCachingAllocator(device.c_device, options))
+        self.c_allocator = static_pointer_cast[CAllocator, CCachingAllocator](allocator)
+        self.device = device
+
+    cdef CCachingAllocator* caching(self) except NULL:
+        return <CCachingAllocator*>self.get()
+
+    @property
+    def policy(self):
+        """The policy preset: ``"pytorch"``, ``"nnabla"`` or ``"cupy"``."""
+        return caching_policy_name(self.caching().options().policy).decode()
+
+    @property
+    def max_split_size(self):
+        """``max_split_size`` in bytes, or None when unlimited."""
+        cdef size_t v = self.caching().options().max_split_size
+        return None if v == unlimited else v
+
+    @property
+    def max_non_split_rounding_size(self):
+        """``max_non_split_rounding_size`` in bytes."""
+        return self.caching().options().max_non_split_rounding_size
+
+    @property
+    def budget(self):
+        """The most bytes of segments held at once, or None."""
+        cdef size_t v = self.caching().options().budget
+        return None if v == 0 else v
+
+    def record_stream(self, uintptr_t ptr, stream):
+        """PyTorch's ``Tensor.record_stream``: the live allocation at ``ptr`` is also used by
+        work on ``stream``. When it is freed, it returns to its pool only once the work
+        queued on ``stream`` before the free has completed. Raises
+        :class:`vmalloc.InvalidPointerError` for a pointer that is not live."""
+        self.caching().record_stream(ptr, stream_handle(stream))
+
+    def round_size(self, nbytes):
+        """The block size a request of ``nbytes`` is rounded to under this policy."""
+        cdef size_t n = parse_size(nbytes, "nbytes")
+        if n == 0:
+            return 0
+        return self.caching().round_size(n)
+
+    def segment_size(self, nbytes):
+        """The size of the segment a cache miss for ``nbytes`` creates (rounded up to the
+        device granularity)."""
+        cdef size_t n = parse_size(nbytes, "nbytes")
+        if n == 0:
+            return 0
+        return self.caching().segment_size(self.caching().round_size(n))
+
+    def pool_of(self, nbytes):
+        """``"small"`` or ``"large"``: the pool that serves a request of ``nbytes``."""
+        cdef size_t n = parse_size(nbytes, "nbytes")
+        cdef CCachingAllocator* a = self.caching()
+        return "small" if n and a.is_small(a.round_size(n)) else "large"
+
+    def segment_stats(self):
+        """Detail beyond :meth:`stats`, as a dict: segments and their bytes by pool
+        (``small_segments``, ``large_segments``, ``small_segment_bytes``,
+        ``large_segment_bytes``), blocks (``live_blocks``, ``free_blocks``, ``free_bytes``,
+        ``largest_free_block``, ``waiting_blocks`` and ``waiting_bytes`` for frees waiting on
+        other streams), ``unsplit_free_segments`` (what :meth:`release_cached` would free),
+        and counters since construction: ``segments_created``, ``segments_released``,
+        ``alloc_retries`` (allocations that had to flush the cache) and ``cache_flushes``."""
+        cdef CCachingSegmentStats s = self.caching().segment_stats()
+        return {
+            "small_segments": s.small_segments,
+            "large_segments": s.large_segments,
+            "small_segment_bytes": s.small_segment_bytes,
+            "large_segment_bytes": s.large_segment_bytes,
+            "live_blocks": s.live_blocks,
+            "free_blocks": s.free_blocks,
+            "free_bytes": s.free_bytes,
+            "largest_free_block": s.largest_free_block,
+            "waiting_blocks": s.waiting_blocks,
+            "waiting_bytes": s.waiting_bytes,
+            "unsplit_free_segments": s.unsplit_free_segments,
+            "segments_created": s.segments_created,
+            "segments_released": s.segments_released,
+            "alloc_retries": s.alloc_retries,
+            "cache_flushes": s.cache_flushes,
+        }
+
+    def snapshot(self):
+        """Every segment in address order, like ``torch.cuda.memory_snapshot()``: a list of
+        dicts with ``address``, ``size``, ``pool`` (``"small"``/``"large"``), ``stream`` and
+        ``blocks``, each block a dict with ``address``, ``size``, ``requested`` (0 unless
+        allocated), ``stream`` and ``state`` (``"allocated"``, ``"waiting"`` for a free
+        waiting on another stream's work, or ``"free"``)."""
+        cdef vector[CCachingSegmentInfo] segments = self.caching().snapshot()
+        cdef CCachingSegmentInfo seg
+        cdef CCachingBlockInfo b
+        result = []
+        for seg in segments:
+            blocks = []
+            for b in seg.blocks:
+                blocks.append({"address": b.ptr, "size": b.size, "requested": b.requested,
+                               "stream": b.stream, "state": _STATE_NAMES[<int>b.state]})
+            result.append({"address": seg.ptr, "size": seg.size,
+                           "pool": "small" if seg.small else "large",
+                           "stream": seg.stream, "blocks": blocks})
+        return result
