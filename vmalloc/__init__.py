@@ -16,11 +16,13 @@ from vmalloc.sizes import format_size, parse_size
 from vmalloc.stats import Stats
 from vmalloc._device import Device
 from vmalloc._allocator import Allocator
+from vmalloc._caching_allocator import CachingAllocator
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Allocator",
+    "CachingAllocator",
     "Device",
     "DeviceError",
     "InvalidArgumentError",
