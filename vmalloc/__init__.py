@@ -16,6 +16,7 @@ from vmalloc.sizes import format_size, parse_size
 from vmalloc.stats import Stats
 from vmalloc._device import Device
 from vmalloc._allocator import Allocator
+from vmalloc._host_device import HostDevice
 from vmalloc._caching_allocator import CachingAllocator
 
 __version__ = "0.1.0"
@@ -25,6 +26,7 @@ __all__ = [
     "CachingAllocator",
     "Device",
     "DeviceError",
+    "HostDevice",
     "InvalidArgumentError",
     "InvalidPointerError",
     "OutOfMemoryError",

@@ -1,0 +1,199 @@
+#include "vmalloc/detail/stream_set.hpp"
+
+#include <cstdio>
+#include <vector>
+
+#include "vmalloc/errors.hpp"
+
+namespace vmalloc::detail {
+
+namespace {
+std::string hex(std::uintptr_t v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+}  // namespace
+
+StreamSet::StreamSet(std::string device_name) : device_name_(std::move(device_name)) {
+  streams_.emplace(0, std::make_shared<StreamWorker>());
+}
+
+StreamSet::~StreamSet() { synchronize_all(); }
+
+void StreamSet::invalid(const char* entry, const char* what, std::uintptr_t handle) const {
+  throw DeviceError(std::string(entry) + " on " + device_name_ + ": unknown " + what + " " +
+                        hex(handle) + " (never created, or already destroyed)",
+                    entry, cu_result::invalid_handle);
+}
+
+std::shared_ptr<StreamWorker> StreamSet::stream_locked(stream_t stream, const char* entry) const {
+  auto it = streams_.find(stream);
+  if (it == streams_.end()) invalid(entry, "stream", stream);
+  return it->second;
+}
+
+StreamSet::Event& StreamSet::event_locked(event_t event, const char* entry) {
+  auto it = events_.find(event);
+  if (it == events_.end()) invalid(entry, "event", event);
+  return it->second;
+}
+
+stream_t StreamSet::create_stream() {
+  auto worker = std::make_shared<StreamWorker>();
+  std::lock_guard<std::mutex> lock(mutex_);
+  const stream_t id = next_handle_++;
+  streams_.emplace(id, std::move(worker));
+  return id;
+}
+
+void StreamSet::destroy_stream(stream_t stream, const char* entry) {
+  std::shared_ptr<StreamWorker> worker;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stream == 0)
+      throw DeviceError(std::string(entry) + " on " + device_name_ +
+                            ": the default stream (0) cannot be destroyed",
+                        entry, cu_result::invalid_handle);
+    worker = stream_locked(stream, entry);
+    streams_.erase(stream);
+  }
+  // Its queued work still runs (as in CUDA); events recorded on it keep it alive.
+  worker->drain();
+}
+
+event_t StreamSet::create_event() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const event_t id = next_handle_++;
+  events_.emplace(id, Event{});
+  return id;
+}
+
+void StreamSet::destroy_event(event_t event, const char* entry) {
+  Event removed;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    removed = std::move(event_locked(event, entry));
+    events_.erase(event);
+  }
+  // `removed` may hold the last reference to a destroyed stream: released here, unlocked.
+}
+
+StreamSet::Ticket StreamSet::enqueue_locked(stream_t stream,
+                                            const std::shared_ptr<StreamWorker>& worker,
+                                            StreamWorker::Task task,
+                                            std::vector<StreamDependency> deps) {
+  if (stream == 0) {
+    for (const auto& [id, other] : streams_)
+      if (id != 0) {
+        const std::uint64_t seq = other->last_enqueued();
+        if (!other->done(seq)) deps.push_back({other, seq});
+      }
+  } else {
+    const auto& legacy = streams_.at(0);
+    const std::uint64_t seq = legacy->last_enqueued();
+    if (!legacy->done(seq)) deps.push_back({legacy, seq});
+  }
+  const std::uint64_t seq = worker->enqueue(std::move(task), std::move(deps));
+  return Ticket{worker, seq};
+}
+
+void StreamSet::check_stream(stream_t stream, const char* entry) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  stream_locked(stream, entry);
+}
+
+StreamSet::Ticket StreamSet::enqueue(stream_t stream, StreamWorker::Task task,
+                                     const char* entry) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto worker = stream_locked(stream, entry);
+  return enqueue_locked(stream, worker, std::move(task), {});
+}
+
+void StreamSet::record(event_t event, stream_t stream, const char* entry) {
+  std::shared_ptr<StreamWorker> previous;  // released after the lock (see destroy_event)
+  std::lock_guard<std::mutex> lock(mutex_);
+  Event& e = event_locked(event, entry);
+  auto worker = stream_locked(stream, entry);
+  // A marker item: recording is itself work on the stream, so on the default stream it
+  // also captures the other streams' earlier work.
+  Ticket t = enqueue_locked(stream, worker, nullptr, {});
+  previous = std::move(e.stream);
+  e.stream = std::move(t.stream);
+  e.seq = t.seq;
+}
+
+bool StreamSet::query(event_t event, const char* entry) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const Event& e = event_locked(event, entry);
+  return !e.stream || e.stream->done(e.seq);
+}
+
+void StreamSet::wait_event_host(event_t event, const char* entry) {
+  Event e;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    e = event_locked(event, entry);
+  }
+  if (e.stream) e.stream->wait(e.seq);
+}
+
+void StreamSet::stream_wait_event(stream_t stream, event_t event, const char* entry) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto worker = stream_locked(stream, entry);
+  const Event& e = event_locked(event, entry);
+  std::vector<StreamDependency> deps;
+  // Work on the event's own stream is already ordered after it; a dependency on itself
+  // would also keep the stream alive from its own thread.
+  if (e.stream && e.stream != worker && !e.stream->done(e.seq))
+    deps.push_back({e.stream, e.seq});
+  if (!deps.empty()) enqueue_locked(stream, worker, nullptr, std::move(deps));
+}
+
+void StreamSet::synchronize_stream(stream_t stream, const char* entry) {
+  Ticket t;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto worker = stream_locked(stream, entry);
+    t = enqueue_locked(stream, worker, nullptr, {});
+  }
+  t.wait();
+}
+
+void StreamSet::synchronize_all() {
+  std::vector<Ticket> tickets;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [id, worker] : streams_) tickets.push_back({worker, worker->last_enqueued()});
+  }
+  for (const auto& t : tickets) t.wait();
+}
+
+std::size_t StreamSet::streams() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return streams_.size() - 1;
+}
+
+std::size_t StreamSet::events() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return events_.size();
+}
+
+void StreamSet::record_fault(const std::string& message) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (fault_.empty()) fault_ = message;  // the first fault is the informative one
+}
+
+void StreamSet::report_fault(const char* entry) {
+  std::string fault;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    fault.swap(fault_);
+  }
+  if (!fault.empty())
+    throw DeviceError(std::string(entry) + " on " + device_name_ +
+                          ": queued work faulted: " + fault,
+                      entry, cu_result::illegal_address);
+}
+
+}  // namespace vmalloc::detail

@@ -1,0 +1,485 @@
+"""HostDevice: the emulated device's virtual memory, its rules, capacity and counters."""
+
+import mmap
+import threading
+
+import pytest
+
+import vmalloc
+from vmalloc import DeviceError, HostDevice, OutOfMemoryError
+
+MiB = 1 << 20
+GiB = 1 << 30
+G = 2 * MiB  # the default granularity
+PAGE = mmap.PAGESIZE
+
+INVALID_VALUE = 1
+OUT_OF_MEMORY = 2
+INVALID_HANDLE = 400
+ILLEGAL_ADDRESS = 700
+
+
+def mapped(dev, size, reservation=None):
+    """Creates, reserves (unless given), maps and enables a chunk; returns (ptr, handle)."""
+    h = dev.create(size)
+    ptr = dev.reserve(size) if reservation is None else reservation
+    dev.map(ptr, size, h)
+    dev.set_access(ptr, size)
+    return ptr, h
+
+
+def assert_refused(dev, fn, call, code, match=None, counted=None):
+    """``fn`` raises DeviceError(call, code); state and counters are unchanged apart from
+    the failed call's own count."""
+    before_state = dev.state()
+    before = dev.counters()
+    with pytest.raises(DeviceError, match=match) as info:
+        fn()
+    assert info.value.call == call
+    assert info.value.code == code
+    assert dev.state() == before_state
+    after = dev.counters()
+    if counted is not None:
+        before[counted] += 1
+        before["memory_management_calls"] = after["memory_management_calls"]
+        before["modeled_seconds"] = after["modeled_seconds"]
+    assert after == before
+    return info.value
+
+
+# --- construction -------------------------------------------------------------------------
+
+def test_defaults_and_properties():
+    dev = HostDevice()
+    assert dev.name == "host:0"
+    assert dev.ordinal == 0
+    assert dev.granularity == G
+    assert dev.capacity is None
+    assert dev.backed is True
+    assert dev.physical_bytes_in_use == 0
+    assert dev.state() == {
+        "physical_allocations": 0, "released_still_mapped": 0, "reservations": 0,
+        "mappings": 0, "bytes_created": 0, "bytes_reserved": 0, "bytes_mapped": 0,
+        "bytes_accessible": 0, "host_allocations": 0, "host_bytes": 0, "streams": 0,
+        "events": 0, "vmas": 0,
+    }
+
+
+def test_options_parse_sizes():
+    dev = HostDevice(capacity="16MiB", granularity="64KiB", backed=False, ordinal=3)
+    assert (dev.capacity, dev.granularity, dev.backed, dev.name) == (16 * MiB, 65536, False,
+                                                                      "host:3")
+
+
+@pytest.mark.parametrize("granularity", [0, 1000, PAGE // 2, 3 * PAGE, 6 * MiB])
+def test_bad_granularity(granularity):
+    with pytest.raises(vmalloc.InvalidArgumentError, match="power-of-two multiple"):
+        HostDevice(granularity=granularity)
+
+
+def test_bad_ordinal():
+    with pytest.raises(vmalloc.InvalidArgumentError, match="ordinal"):
+        HostDevice(ordinal=-1)
+
+
+# --- real remapping -----------------------------------------------------------------------
+
+def test_remap_same_handle_at_another_address_keeps_bytes():
+    dev = HostDevice()
+    h = dev.create(2 * G)
+    a = dev.reserve(2 * G)
+    b = dev.reserve(4 * G)
+    dev.map(a, 2 * G, h)
+    dev.set_access(a, 2 * G)
+    payload = bytes(range(256)) * 16
+    dev.write(a + G + 123, payload)
+    dev.unmap(a, 2 * G)
+    dev.map(b + 2 * G, 2 * G, h)
+    dev.set_access(b + 2 * G, 2 * G)
+    assert dev.read(b + 2 * G + G + 123, len(payload)) == payload
+    # The old address is a plain reservation again.
+    err = assert_refused(dev, lambda: dev.read(a, 1), "cuMemcpyDtoHAsync", ILLEGAL_ADDRESS,
+                         counted="copy_to_host")
+    assert hex(a) in str(err)
+
+
+def test_two_mappings_of_one_handle_share_bytes():
+    dev = HostDevice()
+    h = dev.create(G)
+    a = dev.reserve(G)
+    b = dev.reserve(G)
+    for p in (a, b):
+        dev.map(p, G, h)
+        dev.set_access(p, G)
+    dev.write(a + 10, b"shared")
+    assert dev.read(b + 10, 6) == b"shared"
+
+
+def test_access_before_set_access_is_illegal_address():
+    dev = HostDevice()
+    h = dev.create(G)
+    p = dev.reserve(G)
+    dev.map(p, G, h)
+    err = assert_refused(dev, lambda: dev.write(p + 5, b"x"), "cuMemcpyHtoDAsync",
+                         ILLEGAL_ADDRESS, counted="copy_to_device")
+    assert hex(p + 5) in str(err)
+    dev.set_access(p, G)
+    dev.write(p + 5, b"x")
+    assert dev.read(p + 5, 1) == b"x"
+
+
+def test_remap_starts_inaccessible_again():
+    dev = HostDevice()
+    p, h = mapped(dev, G)
+    dev.unmap(p, G)
+    dev.map(p, G, h)
+    assert_refused(dev, lambda: dev.read(p, 1), "cuMemcpyDtoHAsync", ILLEGAL_ADDRESS,
+                   counted="copy_to_host")
+
+
+def test_partial_set_access_and_fault_address():
+    dev = HostDevice()
+    h = dev.create(2 * G)
+    p = dev.reserve(2 * G)
+    dev.map(p, 2 * G, h)
+    dev.set_access(p, G)
+    dev.write(p + G - 4, b"abcd")
+    err = assert_refused(dev, lambda: dev.write(p + G - 4, b"abcdef"), "cuMemcpyHtoDAsync",
+                         ILLEGAL_ADDRESS, counted="copy_to_device")
+    assert hex(p + G) in str(err)  # the first inaccessible byte
+    assert dev.state()["bytes_accessible"] == G
+    dev.set_access(p + G, G)
+    assert dev.state()["bytes_accessible"] == 2 * G
+
+
+def test_set_access_spans_adjacent_mappings():
+    dev = HostDevice()
+    p = dev.reserve(3 * G)
+    for i in range(3):
+        dev.map(p + i * G, G, dev.create(G))
+    dev.set_access(p, 3 * G)
+    data = b"z" * (G + 100)
+    dev.write(p + G - 50, data)
+    assert dev.read(p + G - 50, len(data)) == data
+    dev.unmap(p, 3 * G)  # one call over several adjacent mappings
+    assert dev.state()["mappings"] == 0
+
+
+def test_release_while_mapped_keeps_data_until_unmap():
+    dev = HostDevice(capacity=4 * G)
+    p, h = mapped(dev, G)
+    dev.write(p, b"alive")
+    dev.release(h)
+    s = dev.state()
+    assert (s["physical_allocations"], s["released_still_mapped"], s["bytes_created"]) == (
+        1, 1, G)
+    assert dev.physical_bytes_in_use == G
+    assert dev.read(p, 5) == b"alive"
+    # Released: it can be neither released again nor mapped again.
+    assert_refused(dev, lambda: dev.release(h), "cuMemRelease", INVALID_VALUE,
+                   match="unknown or already released", counted="release")
+    q = dev.reserve(G)
+    assert_refused(dev, lambda: dev.map(q, G, h), "cuMemMap", INVALID_VALUE,
+                   match="released", counted="map")
+    dev.unmap(p, G)
+    s = dev.state()
+    assert (s["physical_allocations"], s["released_still_mapped"], s["bytes_created"]) == (
+        0, 0, 0)
+
+
+def test_released_memory_is_reused_and_zero_state():
+    dev = HostDevice()
+    for _ in range(5):
+        p, h = mapped(dev, 4 * G)
+        dev.write(p, b"x" * 100)
+        dev.unmap(p, 4 * G)
+        dev.release(h)
+        dev.free_address(p, 4 * G)
+    assert dev.state() == HostDevice().state()
+
+
+# --- every rule, violated once ------------------------------------------------------------
+
+def test_create_rules():
+    dev = HostDevice()
+    assert_refused(dev, lambda: dev.create(0), "cuMemCreate", INVALID_VALUE,
+                   match="granularity", counted="create")
+    assert_refused(dev, lambda: dev.create(G + PAGE), "cuMemCreate", INVALID_VALUE,
+                   match="multiple of the granularity", counted="create")
+
+
+def test_release_unknown_handle():
+    dev = HostDevice()
+    assert_refused(dev, lambda: dev.release(12345), "cuMemRelease", INVALID_VALUE,
+                   match="unknown or already released handle 0x3039", counted="release")
+
+
+def test_reserve_rules():
+    dev = HostDevice()
+    assert_refused(dev, lambda: dev.reserve(0), "cuMemAddressReserve", INVALID_VALUE,
+                   match="page size", counted="reserve")
+    assert_refused(dev, lambda: dev.reserve(PAGE + 1), "cuMemAddressReserve", INVALID_VALUE,
+                   match="page size", counted="reserve")
+    assert_refused(dev, lambda: dev.reserve(G, 3 * PAGE), "cuMemAddressReserve",
+                   INVALID_VALUE, match="power of two", counted="reserve")
+
+
+@pytest.mark.parametrize("backed", [True, False])
+def test_reserve_alignment(backed):
+    dev = HostDevice(backed=backed)
+    assert dev.reserve(PAGE) % G == 0  # never less than the granularity
+    assert dev.reserve(G, 64 * MiB) % (64 * MiB) == 0
+    assert dev.state()["bytes_reserved"] == PAGE + G
+
+
+def test_free_address_rules():
+    dev = HostDevice()
+    p = dev.reserve(4 * G)
+    assert_refused(dev, lambda: dev.free_address(p + G, 3 * G), "cuMemAddressFree",
+                   INVALID_VALUE, match="not the base of a reservation", counted="free_address")
+    assert_refused(dev, lambda: dev.free_address(p, 2 * G), "cuMemAddressFree", INVALID_VALUE,
+                   match="does not match", counted="free_address")
+    dev.map(p + G, G, dev.create(G))
+    assert_refused(dev, lambda: dev.free_address(p, 4 * G), "cuMemAddressFree", INVALID_VALUE,
+                   match="still has a mapping", counted="free_address")
+
+
+def test_map_rules():
+    dev = HostDevice()
+    h = dev.create(2 * G)
+    p = dev.reserve(4 * G)
+    q = dev.reserve(2 * G)
+    ok = lambda **kw: dict(dict(ptr=p, size=2 * G, handle=h), **kw)  # noqa: E731
+    cases = [
+        (ok(ptr=p + PAGE), "granularity"),
+        (ok(size=G + PAGE), "granularity"),
+        (ok(size=0), "granularity"),
+        (ok(handle=999), "unknown handle"),
+        (ok(size=4 * G), "exceeds the size of allocation"),
+        (ok(ptr=p + 3 * G), "not inside one reservation"),
+        (ok(ptr=q + G), "not inside one reservation"),
+        (ok(ptr=p - G), "not inside one reservation"),
+    ]
+    for kwargs, match in cases:
+        assert_refused(dev, lambda: dev.map(**kwargs), "cuMemMap", INVALID_VALUE, match=match,
+                       counted="map")
+    dev.map(p + G, 2 * G, h)
+    h2 = dev.create(2 * G)
+    for start in (p, p + 2 * G, p + G):
+        assert_refused(dev, lambda: dev.map(start, 2 * G, h2), "cuMemMap", INVALID_VALUE,
+                       match="overlaps the mapping", counted="map")
+    dev.map(q, G, h2)  # a prefix of an allocation may be mapped
+
+
+def test_unmap_rules():
+    dev = HostDevice()
+    p = dev.reserve(8 * G)
+    dev.map(p, 2 * G, dev.create(2 * G))
+    dev.map(p + 2 * G, 2 * G, dev.create(2 * G))
+    dev.map(p + 5 * G, G, dev.create(G))
+    cases = [
+        ((p, G), "sub-range"),
+        ((p + G, G), "sub-range"),
+        ((p, 3 * G), "sub-range"),
+        ((p, 5 * G), "gap"),
+        ((p + 4 * G, G), "not mapped"),
+        ((p, 9 * G), "not inside one reservation"),
+        ((p, 0), "positive"),
+    ]
+    for (ptr, size), match in cases:
+        assert_refused(dev, lambda: dev.unmap(ptr, size), "cuMemUnmap", INVALID_VALUE,
+                       match=match, counted="unmap")
+    dev.unmap(p, 4 * G)
+    assert dev.state()["mappings"] == 1
+
+
+def test_set_access_rules():
+    dev = HostDevice()
+    p = dev.reserve(4 * G)
+    dev.map(p, G, dev.create(G))
+    dev.map(p + 2 * G, G, dev.create(G))
+    cases = [
+        ((p + 1, PAGE), "page size"),
+        ((p, PAGE + 1), "page size"),
+        ((p, 3 * G), "gap"),
+        ((p + G, G), "not mapped"),
+        ((p, 5 * G), "not inside one reservation"),
+    ]
+    for (ptr, size), match in cases:
+        assert_refused(dev, lambda: dev.set_access(ptr, size), "cuMemSetAccess",
+                       INVALID_VALUE, match=match, counted="set_access")
+
+
+def test_copy_rules():
+    dev = HostDevice()
+    p, _ = mapped(dev, G)
+    assert_refused(dev, lambda: dev.read(p + G - 2, 4), "cuMemcpyDtoHAsync", ILLEGAL_ADDRESS,
+                   match=hex(p + G), counted="copy_to_host")
+    assert_refused(dev, lambda: dev.copy_device(p, 0x1000, 8), "cuMemcpyDtoDAsync",
+                   ILLEGAL_ADDRESS, match="0x1000 is not mapped", counted="copy_device")
+    assert_refused(dev, lambda: dev.copy_to_device(p, 0, 8), "cuMemcpyHtoDAsync",
+                   INVALID_VALUE, match="null", counted="copy_to_device")
+
+
+# --- capacity -----------------------------------------------------------------------------
+
+def test_capacity_out_of_memory_and_recovery():
+    dev = HostDevice(capacity=3 * G)
+    a = dev.create(2 * G)
+    before = dev.state()
+    with pytest.raises(OutOfMemoryError) as info:
+        dev.create(2 * G)
+    assert info.value.requested_bytes == 2 * G
+    assert "capacity" in str(info.value) and "host:0" in info.value.state
+    assert dev.state() == before
+    assert dev.counters()["create"] == 2
+    b = dev.create(G)  # exactly full
+    dev.release(a)
+    c = dev.create(2 * G)
+    assert dev.physical_bytes_in_use == 3 * G
+    assert len({a, b, c}) == 3
+
+
+def test_capacity_counts_released_but_mapped():
+    dev = HostDevice(capacity=G)
+    p, h = mapped(dev, G)
+    dev.release(h)
+    with pytest.raises(OutOfMemoryError):
+        dev.create(G)
+    dev.unmap(p, G)
+    dev.create(G)
+
+
+# --- unbacked -----------------------------------------------------------------------------
+
+def test_unbacked_maps_100_gib():
+    dev = HostDevice(backed=False, capacity="128GiB")
+    chunk = 64 * MiB
+    n = 100 * GiB // chunk
+    base = dev.reserve(100 * GiB)
+    assert base >= 0x200000000000
+    for i in range(n):
+        dev.map(base + i * chunk, chunk, dev.create(chunk))
+    dev.set_access(base, 100 * GiB)
+    s = dev.state()
+    assert (s["mappings"], s["bytes_mapped"], s["bytes_accessible"], s["vmas"]) == (
+        n, 100 * GiB, 100 * GiB, 0)
+    dev.copy_device(base, base + 50 * GiB, 10 * GiB)  # validated and counted, nothing moved
+    dev.synchronize()
+    assert dev.counters()["bytes_device"] == 10 * GiB
+    with pytest.raises(DeviceError, match="not backed") as info:
+        dev.read(base, 8)
+    assert info.value.code == 801
+    with pytest.raises(DeviceError, match="not backed"):
+        dev.write(base, b"x")
+    dev.unmap(base, 100 * GiB)
+    assert dev.state()["mappings"] == 0
+    # Rules hold when unbacked too.
+    assert_refused(dev, lambda: dev.copy_device(base, base + chunk, 8), "cuMemcpyDtoDAsync",
+                   ILLEGAL_ADDRESS, counted="copy_device")
+
+
+# --- counters and the cost model ----------------------------------------------------------
+
+def test_counters_and_modeled_seconds_exact():
+    dev = HostDevice()
+    handles = [dev.create(G) for _ in range(3)]
+    p = dev.reserve(3 * G)
+    for i, h in enumerate(handles):
+        dev.map(p + i * G, G, h)
+    dev.set_access(p, 3 * G)
+    with pytest.raises(DeviceError):
+        dev.map(p, G, handles[0])  # failed calls count too
+    c = dev.counters()
+    assert (c["create"], c["reserve"], c["map"], c["set_access"]) == (3, 1, 4, 1)
+    assert c["memory_management_calls"] == 9
+    assert c["modeled_seconds"] == pytest.approx(3 * 193e-6 + 19e-6 + 4 * 1.45e-6 + 36e-6,
+                                                 rel=1e-12)
+    dev.write(p, b"\0" * 1000)
+    dev.read(p, 500)
+    dev.copy_device(p + 4096, p, 250)
+    dev.synchronize()
+    c = dev.counters()
+    assert (c["bytes_to_device"], c["bytes_to_host"], c["bytes_device"]) == (1000, 500, 250)
+    assert c["modeled_copy_seconds"] == pytest.approx(
+        1000 / 55.3e9 + 500 / 55.1e9 + 250 / (3.35e12 / 2), rel=1e-12)
+    dev.set_cost_model(create=7.6e-6)
+    assert dev.counters()["modeled_seconds"] == pytest.approx(
+        3 * 7.6e-6 + 19e-6 + 4 * 1.45e-6 + 36e-6, rel=1e-12)
+    dev.reset_counters()
+    assert dev.counters()["memory_management_calls"] == 0
+
+
+# --- pinned host memory -------------------------------------------------------------------
+
+def test_host_alloc_and_free():
+    dev = HostDevice()
+    a = dev.host_alloc(100)
+    b = dev.host_alloc(3 * PAGE)
+    assert a % PAGE == 0 and b % PAGE == 0
+    s = dev.state()
+    assert (s["host_allocations"], s["host_bytes"]) == (2, 4 * PAGE)
+    dev.host_free(a)
+    assert_refused(dev, lambda: dev.host_free(a), "cuMemFreeHost", INVALID_VALUE,
+                   match="not pinned host memory", counted="host_free")
+    assert_refused(dev, lambda: dev.host_free(b + PAGE), "cuMemFreeHost", INVALID_VALUE,
+                   counted="host_free")
+    assert_refused(dev, lambda: dev.host_alloc(0), "cuMemHostAlloc", INVALID_VALUE,
+                   counted="host_alloc")
+    dev.host_free(b)
+    assert dev.state()["host_allocations"] == 0
+
+
+# --- the kernel's mapping budget ----------------------------------------------------------
+
+def test_vma_limit_refusal_changes_nothing():
+    dev = HostDevice(granularity=PAGE)
+    limit = HostDevice.vma_limit()
+    p = dev.reserve(64 * PAGE)
+    try:
+        HostDevice.set_vma_limit(HostDevice.process_vmas() + 2)  # room for one mapping
+        h1, h2 = dev.create(PAGE), dev.create(PAGE)
+        dev.map(p, PAGE, h1)
+        assert_refused(dev, lambda: dev.map(p + 2 * PAGE, PAGE, h2), "cuMemMap",
+                       OUT_OF_MEMORY, match="max_map_count", counted="map")
+    finally:
+        HostDevice.set_vma_limit(limit)
+    dev.map(p + 2 * PAGE, PAGE, h2)
+
+
+# --- thread safety ------------------------------------------------------------------------
+
+def test_threads_on_disjoint_resources():
+    dev = HostDevice(granularity=64 * 1024)
+    g = dev.granularity
+    errors = []
+
+    def worker(seed):
+        try:
+            base = dev.reserve(16 * g)
+            for round_ in range(30):
+                handles = []
+                for i in range(4):
+                    h = dev.create(2 * g)
+                    dev.map(base + 2 * i * g, 2 * g, h)
+                    handles.append(h)
+                dev.set_access(base, 8 * g)
+                tag = bytes([seed, round_]) * 8
+                dev.write(base + 3 * g, tag)
+                assert dev.read(base + 3 * g, 16) == tag
+                dev.unmap(base, 8 * g)
+                for h in handles:
+                    dev.release(h)
+            dev.free_address(base, 16 * g)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert dev.state() == HostDevice().state()
+    c = dev.counters()
+    assert (c["create"], c["map"], c["unmap"], c["release"]) == (720, 720, 180, 720)

@@ -1,0 +1,135 @@
+# cython: language_level=3
+"""HostDevice: a GPU emulated on host memory with the CUDA driver's virtual memory rules."""
+
+from libc.stdint cimport uintptr_t
+from libcpp cimport bool as cbool
+
+from vmalloc._device cimport CDevice, Device, vmalloc_raise_py_error
+from vmalloc.errors import DeviceError
+from vmalloc.sizes import parse_size
+
+
+cdef extern from "vmalloc/host_device.hpp" namespace "vmalloc" nogil:
+    cdef cppclass CHostDeviceOptions "vmalloc::HostDeviceOptions":
+        size_t capacity
+        size_t granularity
+        cbool backed
+        int ordinal
+
+    cdef cppclass CHostDeviceState "vmalloc::HostDeviceState":
+        size_t physical_allocations
+        size_t released_still_mapped
+        size_t reservations
+        size_t mappings
+        size_t bytes_created
+        size_t bytes_reserved
+        size_t bytes_mapped
+        size_t bytes_accessible
+        size_t host_allocations
+        size_t host_bytes
+        size_t streams
+        size_t events
+        size_t vmas
+
+    cdef cppclass CHostDevice "vmalloc::HostDevice"(CDevice):
+        CHostDevice(const CHostDeviceOptions& options) except +vmalloc_raise_py_error
+        CHostDeviceState state() except +vmalloc_raise_py_error
+
+    cdef size_t host_device_vma_limit "vmalloc::HostDevice::vma_limit"()
+    cdef void host_device_set_vma_limit "vmalloc::HostDevice::set_vma_limit"(size_t limit)
+    cdef size_t host_device_process_vmas "vmalloc::HostDevice::process_vmas"()
+
+
+cdef class HostDevice(Device):
+    """A GPU emulated on host memory, enforcing the CUDA driver's virtual memory rules.
+
+    Args:
+        capacity: physical bytes the device holds (int or a string such as ``"16GiB"``);
+            ``None`` or 0 means unlimited. Creating beyond it raises
+            :class:`vmalloc.OutOfMemoryError`.
+        granularity: the allocation granularity, a power-of-two multiple of the host page
+            size (default ``"2MiB"``, what NVIDIA GPUs report).
+        backed: ``True`` (default) keeps real memory: data written through one mapping reads
+            back through another mapping of the same allocation. ``False`` keeps the books
+            only, so traces far larger than the machine replay; reading or writing data then
+            raises :class:`vmalloc.DeviceError`.
+        ordinal: the device number, for the name ``"host:<ordinal>"``.
+
+    Every broken driver rule raises :class:`vmalloc.DeviceError` with the entry point
+    (``.call``, e.g. ``"cuMemMap"``) and the ``CUresult`` (``.code``), and changes nothing.
+    """
+
+    def __init__(self, capacity=None, granularity="2MiB", backed=True, ordinal=0):
+        cdef CHostDeviceOptions options
+        options.capacity = parse_size(capacity, "capacity", allow_none=True) or 0
+        options.granularity = parse_size(granularity, "granularity")
+        options.backed = bool(backed)
+        if not isinstance(ordinal, int) or isinstance(ordinal, bool):
+            raise TypeError(f"ordinal must be an int, got {type(ordinal).__name__}")
+        options.ordinal = ordinal
+        cdef CHostDevice* device = new CHostDevice(options)
+        self.c_device.reset(<CDevice*>device)
+
+    cdef CHostDevice* host(self) except NULL:
+        return <CHostDevice*>self.get()
+
+    def state(self):
+        """The device's books as a dict: ``physical_allocations`` (created, not yet freed),
+        ``released_still_mapped``, ``reservations``, ``mappings``, ``bytes_created``,
+        ``bytes_reserved``, ``bytes_mapped``, ``bytes_accessible``, ``host_allocations``,
+        ``host_bytes``, ``streams`` (created, the default stream not counted), ``events`` and
+        ``vmas`` (kernel memory mappings held, an upper bound; 0 when unbacked).
+
+        Two snapshots compare equal when nothing changed in between: tests use this to show
+        that a refused call left the device as it was.
+        """
+        cdef CHostDeviceState s = self.host().state()
+        return {
+            "physical_allocations": s.physical_allocations,
+            "released_still_mapped": s.released_still_mapped,
+            "reservations": s.reservations,
+            "mappings": s.mappings,
+            "bytes_created": s.bytes_created,
+            "bytes_reserved": s.bytes_reserved,
+            "bytes_mapped": s.bytes_mapped,
+            "bytes_accessible": s.bytes_accessible,
+            "host_allocations": s.host_allocations,
+            "host_bytes": s.host_bytes,
+            "streams": s.streams,
+            "events": s.events,
+            "vmas": s.vmas,
+        }
+
+    def write(self, ptr, data, stream=0):
+        """Copies the bytes of ``data`` (any buffer) to device address ``ptr``; blocks until
+        done. Raises :class:`vmalloc.DeviceError` on an unbacked device."""
+        if not self.backed:
+            raise DeviceError(f"cannot write data to {self.name}: the device is not backed "
+                              "(backed=False keeps accounting only)",
+                              "cuMemcpyHtoDAsync", 801)
+        Device.write(self, ptr, data, stream)
+
+    def read(self, ptr, nbytes, stream=0):
+        """Returns ``nbytes`` bytes read from device address ``ptr``; blocks until done.
+        Raises :class:`vmalloc.DeviceError` on an unbacked device."""
+        if not self.backed:
+            raise DeviceError(f"cannot read data from {self.name}: the device is not backed "
+                              "(backed=False keeps accounting only)",
+                              "cuMemcpyDtoHAsync", 801)
+        return Device.read(self, ptr, nbytes, stream)
+
+    @staticmethod
+    def vma_limit():
+        """Kernel memory mappings all HostDevices of the process may hold together before
+        calls are refused (``vm.max_map_count`` minus headroom for the process itself)."""
+        return host_device_vma_limit()
+
+    @staticmethod
+    def set_vma_limit(size_t limit):
+        """Sets :meth:`vma_limit` (for tests of the refusal)."""
+        host_device_set_vma_limit(limit)
+
+    @staticmethod
+    def process_vmas():
+        """Kernel memory mappings all HostDevices of the process hold now (an upper bound)."""
+        return host_device_process_vmas()
