@@ -1,0 +1,108 @@
+// Stream-ordered reuse of freed memory: what work may still touch a freed range or block, and
+// how to make it safe for another stream or for unmapping.
+//
+// deallocate(ptr, n, stream) makes memory reusable at once on `stream`: later work there is
+// ordered after the work that used it. Another stream, or cuMemUnmap, must wait for the work
+// queued on the freeing stream before the free. PendingWork records that: the freeing stream
+// and, once the allocator has seen a second stream, an event recorded at free time. While only
+// one stream is in use no event is recorded, so the single-stream cache-hit path makes no
+// driver call at all; a range freed before a second stream appeared gets its event recorded
+// on the freeing stream at the moment it is needed, which covers at least the free-time work.
+//
+// Events come from a refcounted pool (split ranges share their event), so after warm-up no
+// event is created. Not thread-safe: used under the allocator's mutex.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "vmalloc/device.hpp"
+#include "vmalloc/types.hpp"
+
+namespace vmalloc::detail {
+
+inline constexpr std::uint32_t no_event = 0xFFFFFFFFu;
+
+// What may still be running on a freed range. `idle` means nothing: reusable by any stream and
+// unmappable without waiting.
+struct PendingWork {
+  stream_t stream = 0;
+  std::uint32_t event = no_event;  // index into the event pool, or no_event
+  std::uint64_t seq = 0;           // free order: a later free on a stream covers earlier ones
+  bool idle = true;
+};
+
+class StreamOrder {
+ public:
+  explicit StreamOrder(std::shared_ptr<Device> device) : device_(std::move(device)) {}
+  ~StreamOrder();  // destroys the pooled events (errors swallowed: never throws)
+  StreamOrder(const StreamOrder&) = delete;
+  StreamOrder& operator=(const StreamOrder&) = delete;
+
+  // Notes a stream seen at allocate(). Cheap: no driver call.
+  void note_stream(stream_t stream) noexcept {
+    if (!have_first_) {
+      first_stream_ = stream;
+      have_first_ = true;
+    } else if (stream != first_stream_) {
+      multi_stream_ = true;
+    }
+  }
+  bool multi_stream() const noexcept { return multi_stream_; }
+
+  // The work of a free on `stream` now. Records an event when more than one stream is in use
+  // (may throw DeviceError, e.g. an unknown stream, and then changes nothing).
+  PendingWork on_free(stream_t stream);
+
+  // Makes memory with pending work `work` safe for new work on `stream`: nothing if idle or
+  // the same stream; idle if its event has completed; otherwise `stream` waits on the event
+  // (no host blocking). Throws DeviceError on a failed call; `work` stays valid.
+  void make_usable_on(PendingWork& work, stream_t stream);
+  // True if `work` needs nothing before reuse on `stream` (no driver call).
+  static bool free_on(const PendingWork& work, stream_t stream) noexcept {
+    return work.idle || work.stream == stream;
+  }
+  // True if the event already completed (turns `work` idle); queries the device.
+  bool completed(PendingWork& work);
+  // Blocks the host until the work is done (before cuMemUnmap); `work` becomes idle.
+  void synchronize(PendingWork& work);
+
+  // Two pieces of free memory may merge if one is idle or both were freed on one stream.
+  static bool can_merge(const PendingWork& a, const PendingWork& b) noexcept {
+    return a.idle || b.idle || a.stream == b.stream;
+  }
+  // The work of a merge of `a` and `b` (can_merge true); consumes both.
+  PendingWork merge(PendingWork a, PendingWork b) noexcept;
+  // A second owner of `work` (a split): shares its event.
+  PendingWork share(const PendingWork& work) noexcept;
+  // Gives up `work`'s event reference; `work` becomes idle.
+  void drop(PendingWork& work) noexcept;
+
+  std::size_t events_created() const noexcept { return slots_.size(); }
+  std::size_t events_in_use() const noexcept { return slots_.size() - free_slots_.size(); }
+
+ private:
+  struct Slot {
+    event_t handle = 0;
+    std::uint32_t refs = 0;
+  };
+  // Gives `work` an event if it has none (recorded on its freeing stream now); true if it has
+  // one afterwards, false if it turned idle instead (its stream was destroyed: the device
+  // was synchronized).
+  bool settle_or_record(PendingWork& work);
+  // A pooled event recorded on `stream` now, refcount 1. Throws DeviceError (pool unchanged).
+  std::uint32_t record(stream_t stream);
+  void unref(std::uint32_t index) noexcept;
+
+  std::shared_ptr<Device> device_;
+  std::vector<Slot> slots_;
+  std::vector<std::uint32_t> free_slots_;
+  std::uint64_t seq_ = 0;
+  stream_t first_stream_ = 0;
+  bool have_first_ = false;
+  bool multi_stream_ = false;
+};
+
+}  // namespace vmalloc::detail

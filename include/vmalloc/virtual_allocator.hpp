@@ -1,0 +1,156 @@
+// VirtualAllocator: the paper's virtual-addressing allocator (Hayakawa & Narihira, section 4).
+//
+// A request of mr bytes gets k = ceil(mr / mc) physical chunks of mc bytes, any chunks, mapped
+// into one contiguous reserved virtual range (one cuMemMap per chunk, one cuMemSetAccess over
+// the run). Physical memory therefore never fragments: a request succeeds whenever k chunks are
+// free anywhere, and internal fragmentation per allocation stays below one chunk (equation 1).
+//
+// Freed ranges stay mapped in a cache keyed by chunk count (best fit). Every chunk being its
+// own mapping, a larger cached range is split at a chunk boundary and neighbours in one
+// reservation merge with no driver call, so a periodic training loop makes no
+// memory-management driver call after warm-up. On a miss: chunks from the pool's cache, then
+// new chunks (within budget and capacity), then chunks stolen from cached ranges and empty
+// arena chunks (synchronized, unmapped, remapped). Requests up to the small threshold are
+// sub-allocated in 512-byte blocks inside arena chunks.
+//
+// Streams: see detail/stream_order.hpp. Thread-safe: one mutex around every public method.
+// See docs/virtual_allocator.rst.
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "vmalloc/allocator.hpp"
+#include "vmalloc/detail/chunk_range.hpp"
+#include "vmalloc/detail/flat_ptr_map.hpp"
+#include "vmalloc/detail/node_pool.hpp"
+#include "vmalloc/detail/size_buckets.hpp"
+#include "vmalloc/detail/small_block_arena.hpp"
+#include "vmalloc/detail/stream_order.hpp"
+#include "vmalloc/physical_chunk_pool.hpp"
+
+namespace vmalloc {
+
+struct VirtualAllocatorOptions {
+  // Bytes per physical chunk; a positive multiple of the device granularity. 0 picks the
+  // default: 2 MiB rounded up to a multiple of the granularity.
+  std::size_t chunk_size = 0;
+  // The most bytes of chunks held at once; 0 = no budget (the device's capacity limits).
+  std::size_t budget = 0;
+  // Requests of at most this many bytes are sub-allocated in arena chunks; at most chunk_size;
+  // 0 disables sub-allocation. default_small_threshold picks chunk_size / 2: above that the
+  // chunk path wastes less than the request itself, below it a chunk would be mostly waste.
+  static constexpr std::size_t default_small_threshold = static_cast<std::size_t>(-1);
+  std::size_t small_threshold = default_small_threshold;
+};
+
+// Detail beyond Stats, in chunks (VirtualAllocator.chunk_stats() in Python).
+struct ChunkStats {
+  std::size_t chunk_size = 0;
+  std::size_t small_threshold = 0;
+  std::size_t budget_bytes = 0;
+  std::size_t chunks_held = 0;         // live + cached + in_arenas + in_pool
+  std::size_t peak_chunks_held = 0;
+  std::size_t chunks_live = 0;         // mapped in live (chunk-path) allocations
+  std::size_t chunks_cached = 0;       // mapped in cached ranges, reusable without driver calls
+  std::size_t chunks_in_arenas = 0;    // mapped arena chunks (sub-allocated)
+  std::size_t chunks_in_pool = 0;      // unmapped, in the pool's cache
+  std::size_t free_chunks = 0;         // cached + in_pool + arena chunks without live blocks
+  std::size_t arena_chunks_empty = 0;  // arena chunks without live blocks
+  std::size_t cached_ranges = 0;
+  std::size_t live_ranges = 0;
+  std::size_t live_blocks = 0;         // live small (sub-allocated) allocations
+  std::size_t free_blocks = 0;
+  std::size_t arena_free_bytes = 0;
+  std::size_t reservations = 0;
+  std::size_t reserved_address_bytes = 0;
+  std::size_t chunks_created = 0;      // since construction
+  std::size_t chunks_released = 0;
+  std::size_t chunks_stolen = 0;       // unmapped from cached ranges and remapped elsewhere
+  std::size_t events_created = 0;
+  bool multi_stream = false;
+};
+
+class VirtualAllocator final : public Allocator {
+ public:
+  // Throws InvalidArgument for a null device, a chunk size that is zero or not a multiple of
+  // the device granularity, a budget below one chunk, or a small threshold above a chunk.
+  VirtualAllocator(std::shared_ptr<Device> device, const VirtualAllocatorOptions& options = {});
+  static std::shared_ptr<VirtualAllocator> create(std::shared_ptr<Device> device,
+                                                  const VirtualAllocatorOptions& options = {});
+  // Waits for the device, unmaps everything, frees every reservation and releases every chunk.
+  ~VirtualAllocator() override;
+
+  device_ptr allocate(std::size_t nbytes, stream_t stream) override;
+  void deallocate(device_ptr ptr, std::size_t nbytes, stream_t stream) override;
+  std::size_t release_cached() override;
+  Stats stats() const override;
+  void reset_peak_stats() override;
+  std::size_t allocation_size(device_ptr ptr) const override;
+  std::string name() const override { return "virtual"; }
+  const std::shared_ptr<Device>& device() const override { return device_; }
+
+  ChunkStats chunk_stats() const;
+  std::size_t chunk_size() const noexcept { return chunk_size_; }
+  std::size_t small_threshold() const noexcept { return small_threshold_; }
+  std::size_t budget() const noexcept { return pool_.budget(); }
+
+ private:
+  using Range = detail::ChunkRange;
+  using Reservation = detail::ChunkReservation;
+
+  // All private members run with mutex_ held.
+  device_ptr allocate_chunks(std::size_t nbytes, stream_t stream);
+  device_ptr allocate_small(std::size_t nbytes, stream_t stream);
+  // A cached range of >= k chunks, cut to k and made usable on `stream`; nullptr on a miss.
+  Range* take_cached(std::size_t k, stream_t stream);
+  // A new reservation of k chunks, mapped and accessible. Throws OutOfMemory (accounting
+  // unchanged), DeviceError.
+  Range* map_new_range(std::size_t k, std::size_t nbytes, stream_t stream);
+  // Unmaps up to `need` chunks from cached ranges and empty arena chunks into `out`.
+  void steal(std::size_t need, std::vector<physical_handle>& out);
+  // Unmaps the last `take` chunks of a cached range whose work is done; handles into `out`.
+  void unmap_tail(Range* range, std::size_t take, std::vector<physical_handle>& out);
+  // Puts a free range into the cache, merging it with cached neighbours.
+  void cache_range(Range* range) noexcept;
+  // An arena chunk without live blocks goes back to the range cache.
+  void retire_arena_chunk(detail::ArenaChunk* chunk) noexcept;
+  // Frees a reservation if nothing is mapped in it any more.
+  void drop_reservation_if_empty(Reservation* reservation);
+  device_ptr address_of(const Range* r) const noexcept {
+    return r->reservation->base + r->first * chunk_size_;
+  }
+  std::size_t free_chunks() const noexcept;
+  [[noreturn]] void throw_out_of_memory(std::size_t nbytes, const std::string& why);
+  [[noreturn]] void throw_invalid_pointer(device_ptr ptr, const char* operation) const;
+  void count_allocation(std::size_t requested, std::size_t allocated) noexcept;
+  void count_deallocation(std::size_t requested, std::size_t allocated) noexcept;
+  void note_reserved() noexcept;
+  Stats stats_locked() const;
+
+  const std::shared_ptr<Device> device_;
+  const std::size_t chunk_size_;
+  const std::size_t small_threshold_;
+  mutable std::mutex mutex_;
+  PhysicalChunkPool pool_;
+  detail::StreamOrder order_;
+  detail::SmallBlockArena arena_;
+  detail::NodePool<Range> ranges_;
+  detail::SizeBuckets<Range> cached_;
+  std::map<device_ptr, std::unique_ptr<Reservation>> reservations_;
+  // Live allocations by address: a Range* (chunk path) or ArenaBlock* | 1 (small path).
+  detail::FlatPtrMap live_;
+  detail::ArenaChunk* spare_ = nullptr;  // one empty arena chunk kept against churn
+  std::size_t cached_chunks_ = 0;
+  std::size_t live_chunks_ = 0;
+  std::size_t live_ranges_ = 0;
+  std::size_t live_blocks_ = 0;
+  std::size_t stolen_ = 0;
+  Stats stats_;  // requested/allocated/counts and their peaks; reserved kept by note_reserved
+};
+
+}  // namespace vmalloc

@@ -1,0 +1,158 @@
+# cython: language_level=3
+"""The virtual-addressing allocator: physical chunks mapped into contiguous reserved ranges."""
+
+from libcpp cimport bool
+from libcpp.memory cimport shared_ptr, static_pointer_cast
+
+from vmalloc._allocator cimport Allocator, CAllocator
+from vmalloc._device cimport CDevice, Device, vmalloc_raise_py_error
+
+from vmalloc.sizes import parse_size
+
+
+cdef extern from "vmalloc/virtual_allocator.hpp" namespace "vmalloc" nogil:
+    cdef cppclass VirtualAllocatorOptions:
+        size_t chunk_size
+        size_t budget
+        size_t small_threshold
+
+    cdef size_t default_small_threshold "vmalloc::VirtualAllocatorOptions::default_small_threshold"
+
+    cdef cppclass ChunkStats:
+        size_t chunk_size
+        size_t small_threshold
+        size_t budget_bytes
+        size_t chunks_held
+        size_t peak_chunks_held
+        size_t chunks_live
+        size_t chunks_cached
+        size_t chunks_in_arenas
+        size_t chunks_in_pool
+        size_t free_chunks
+        size_t arena_chunks_empty
+        size_t cached_ranges
+        size_t live_ranges
+        size_t live_blocks
+        size_t free_blocks
+        size_t arena_free_bytes
+        size_t reservations
+        size_t reserved_address_bytes
+        size_t chunks_created
+        size_t chunks_released
+        size_t chunks_stolen
+        size_t events_created
+        bool multi_stream
+
+    cdef cppclass CVirtualAllocator "vmalloc::VirtualAllocator"(CAllocator):
+        @staticmethod
+        shared_ptr[CVirtualAllocator] create(shared_ptr[CDevice] device,
+                                             const VirtualAllocatorOptions& options) \
+            except +vmalloc_raise_py_error
+        ChunkStats chunk_stats() except +vmalloc_raise_py_error
+        size_t chunk_size()
+        size_t small_threshold()
+        size_t budget()
+
+
+cdef class VirtualAllocator(Allocator):
+    """The paper's virtual-addressing allocator (Hayakawa & Narihira, section 4).
+
+    A request of ``n`` bytes gets ``ceil(n / chunk_size)`` physical chunks, any chunks, mapped
+    into one contiguous reserved virtual range, so physical memory never fragments: a request
+    succeeds whenever enough chunks are free anywhere. Freed ranges stay mapped and are reused
+    (best fit by chunk count, split and merged for free), so a repeated training step makes no
+    memory-management driver call after warm-up. Requests of at most ``small_threshold`` bytes
+    are sub-allocated in 512-byte blocks inside chunks. See :doc:`virtual_allocator`.
+
+    Args:
+        device: the :class:`vmalloc.Device` to allocate on.
+        chunk_size: bytes per physical chunk (int or a string such as ``"2MiB"``), a multiple
+            of the device granularity. ``None``: 2 MiB rounded up to the granularity.
+        budget: the most bytes of chunks held at once (at least one chunk), or ``None`` for no
+            budget beyond the device's capacity.
+        small_threshold: requests of at most this many bytes are sub-allocated; at most
+            ``chunk_size``; 0 disables sub-allocation. ``None``: ``chunk_size // 2``.
+
+    Raises:
+        vmalloc.InvalidArgumentError: for a chunk size that is zero or not a multiple of the
+            granularity, a budget below one chunk, or a threshold above a chunk.
+    """
+
+    cdef shared_ptr[CVirtualAllocator] c_virtual
+
+    def __init__(self, Device device not None, chunk_size=None, budget=None,
+                 small_threshold=None):
+        cdef VirtualAllocatorOptions options
+        options.chunk_size = 0 if chunk_size is None else parse_size(chunk_size, "chunk_size")
+        if chunk_size is not None and options.chunk_size == 0:
+            raise_invalid("chunk_size must be positive, got 0")
+        options.budget = 0 if budget is None else parse_size(budget, "budget")
+        if budget is not None and options.budget == 0:
+            raise_invalid("budget must be positive (None for no budget), got 0")
+        options.small_threshold = (default_small_threshold if small_threshold is None
+                                   else parse_size(small_threshold, "small_threshold"))
+        self.c_virtual = CVirtualAllocator.create(device.c_device, options)
+        self.c_allocator = static_pointer_cast[CAllocator, CVirtualAllocator](self.c_virtual)
+        self.device = device
+
+    @property
+    def chunk_size(self):
+        """Bytes per physical chunk."""
+        return self.c_virtual.get().chunk_size()
+
+    @property
+    def small_threshold(self):
+        """Requests of at most this many bytes are sub-allocated (0: none are)."""
+        return self.c_virtual.get().small_threshold()
+
+    @property
+    def budget(self):
+        """The most bytes of chunks held at once, or None."""
+        cdef size_t b = self.c_virtual.get().budget()
+        return None if b == 0 else b
+
+    def chunk_stats(self):
+        """Detail beyond :meth:`stats`, in chunks, as a dict.
+
+        ``chunks_held`` (= ``chunks_live + chunks_cached + chunks_in_arenas +
+        chunks_in_pool``), ``peak_chunks_held``, ``chunks_live`` (mapped in live allocations),
+        ``chunks_cached`` (mapped in free cached ranges), ``chunks_in_arenas`` (sub-allocated
+        chunks), ``chunks_in_pool`` (unmapped, cached), ``free_chunks`` (cached + in pool +
+        arena chunks without live blocks: what any request may use), ``arena_chunks_empty``,
+        ``cached_ranges``, ``live_ranges``, ``live_blocks``, ``free_blocks``,
+        ``arena_free_bytes``, ``reservations``, ``reserved_address_bytes``,
+        ``chunks_created``, ``chunks_released``, ``chunks_stolen`` (remapped from cached
+        ranges), ``events_created``, ``multi_stream``, ``chunk_size``, ``small_threshold``,
+        ``budget_bytes``.
+        """
+        cdef ChunkStats s = self.c_virtual.get().chunk_stats()
+        return {
+            "chunk_size": s.chunk_size,
+            "small_threshold": s.small_threshold,
+            "budget_bytes": s.budget_bytes,
+            "chunks_held": s.chunks_held,
+            "peak_chunks_held": s.peak_chunks_held,
+            "chunks_live": s.chunks_live,
+            "chunks_cached": s.chunks_cached,
+            "chunks_in_arenas": s.chunks_in_arenas,
+            "chunks_in_pool": s.chunks_in_pool,
+            "free_chunks": s.free_chunks,
+            "arena_chunks_empty": s.arena_chunks_empty,
+            "cached_ranges": s.cached_ranges,
+            "live_ranges": s.live_ranges,
+            "live_blocks": s.live_blocks,
+            "free_blocks": s.free_blocks,
+            "arena_free_bytes": s.arena_free_bytes,
+            "reservations": s.reservations,
+            "reserved_address_bytes": s.reserved_address_bytes,
+            "chunks_created": s.chunks_created,
+            "chunks_released": s.chunks_released,
+            "chunks_stolen": s.chunks_stolen,
+            "events_created": s.events_created,
+            "multi_stream": s.multi_stream,
+        }
+
+
+def raise_invalid(message):
+    from vmalloc.errors import InvalidArgumentError
+    raise InvalidArgumentError(message)
