@@ -18,6 +18,11 @@ from vmalloc._device import Device
 from vmalloc._allocator import Allocator
 from vmalloc._host_device import HostDevice
 from vmalloc._caching_allocator import CachingAllocator
+from vmalloc._current_allocator import (
+    get_current_allocator,
+    library_path,
+    set_current_allocator,
+)
 
 __version__ = "0.1.0"
 
@@ -33,5 +38,8 @@ __all__ = [
     "Stats",
     "VmallocError",
     "format_size",
+    "get_current_allocator",
+    "library_path",
     "parse_size",
+    "set_current_allocator",
 ]
