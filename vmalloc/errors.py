@@ -73,3 +73,21 @@ _CU_RESULT_NAMES = {
 def cu_result_name(code):
     """The ``CUresult`` name of ``code`` (``"CUDA_ERROR_INVALID_VALUE"`` for 1)."""
     return _CU_RESULT_NAMES.get(code, f"CUresult {code}")
+
+
+class TraceFormatError(VmallocError, ValueError):
+    """A trace file that cannot be read: not the format it claims, truncated or corrupt.
+
+    Attributes:
+        path: the trace file, as given.
+        record: the 1-based line (text formats) or record number (binary formats, pickled
+            entries) where the problem is, or None when it concerns the whole file.
+    """
+
+    def __init__(self, message, path=None, record=None):
+        where = ""
+        if path is not None:
+            where = f"{path}" + (f":{record}" if record is not None else "") + ": "
+        super().__init__(where + message)
+        self.path = path
+        self.record = record

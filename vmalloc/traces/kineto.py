@@ -1,0 +1,125 @@
+"""Reader of PyTorch profiler traces (Kineto's chrome-trace JSON).
+
+``torch.profiler.profile(profile_memory=True)`` records one ``[memory]`` instant event per
+allocator call: ``args`` holds ``Addr``, ``Bytes`` (positive for an allocation, negative for a
+free), ``Device Type`` (c10's DeviceType: 0 = CPU, 1 = CUDA), ``Device Id`` and the running
+totals. Events are taken in file order (the order the profiler recorded them). The file is
+streamed (see :mod:`vmalloc.traces._json_stream`); a ``.json.gz`` is decompressed on the fly.
+Memory events carry no stream: every event is on stream 0.
+"""
+
+from vmalloc.errors import InvalidArgumentError, TraceFormatError
+from vmalloc.traces._fields import device_name, u64
+from vmalloc.traces._files import open_text
+from vmalloc.traces._json_stream import JsonEventScanner
+from vmalloc.traces._normalize import scan_before_window
+from vmalloc.traces.events import ALLOC, FREE
+
+#: c10::DeviceType values.
+DEVICE_TYPES = {"cpu": 0, "cuda": 1}
+_DEVICE_TYPE_NAMES = {0: "cpu", 1: "cuda"}
+
+
+def _device_label(device_type, device_id):
+    name = _DEVICE_TYPE_NAMES.get(device_type, f"device type {device_type}")
+    return name if device_type == 0 else f"{name}:{device_id}"
+
+
+class KinetoReader:
+    """The memory events of one device of a profiler trace."""
+
+    format = "kineto"
+    direct = False
+
+    def __init__(self, path, kind, index):
+        self.path = path
+        self.kind = kind
+        self.index = index
+        self.device_type = DEVICE_TYPES[kind]
+        self.metadata = {}
+        self.skipped = {}
+
+    def records(self):
+        """``(op, stream, addr, size)`` for each memory event of the device, in file order."""
+        path = self.path
+        want_type = self.device_type
+        want_id = self.index
+        devices = {}
+        out_of_order = 0
+        last_ts = None
+        matched = 0
+        ooms = 0
+        with open_text(path) as text:
+            scanner = JsonEventScanner(text, path)
+            for line, event in scanner.events():
+                if not isinstance(event, dict):
+                    raise TraceFormatError("a trace event is not a JSON object", path, line)
+                name = event.get("name")
+                if name != "[memory]":
+                    if name == "[OutOfMemory]":
+                        ooms += 1
+                    continue
+                args = event.get("args")
+                if not isinstance(args, dict):
+                    raise TraceFormatError("[memory] event without an 'args' object", path, line)
+                device_type = args.get("Device Type")
+                device_id = args.get("Device Id", 0)
+                if type(device_type) is not int or type(device_id) is not int:
+                    raise TraceFormatError(
+                        "[memory] event without integer 'Device Type' and 'Device Id'", path, line
+                    )
+                key = (device_type, device_id)
+                devices[key] = devices.get(key, 0) + 1
+                if device_type != want_type or (want_id is not None and device_id != want_id):
+                    continue
+                addr = u64(args.get("Addr"), "'Addr'", path, line)
+                nbytes = args.get("Bytes")
+                if type(nbytes) is not int or not -(1 << 64) < nbytes < (1 << 64):
+                    raise TraceFormatError(
+                        f"'Bytes' must be an integer, got {nbytes!r:.60}", path, line
+                    )
+                ts = event.get("ts")
+                if isinstance(ts, (int, float)):
+                    if last_ts is not None and ts < last_ts:
+                        out_of_order += 1
+                    last_ts = ts
+                matched += 1
+                if nbytes > 0:
+                    yield ALLOC, 0, addr, nbytes
+                elif nbytes < 0:
+                    yield FREE, 0, addr, -nbytes
+                else:
+                    self.skipped["zero-byte memory event"] = (
+                        self.skipped.get("zero-byte memory event", 0) + 1
+                    )
+        self.metadata = dict(scanner.metadata)
+        self.metadata["memory_events_by_device"] = {
+            _device_label(t, i): n for (t, i), n in sorted(devices.items())
+        }
+        self.metadata["memory_events_out_of_time_order"] = out_of_order
+        if ooms:
+            self.skipped["oom"] = ooms
+        if not devices:
+            raise TraceFormatError(
+                "the trace has no '[memory]' events: profile with "
+                "torch.profiler.profile(profile_memory=True)",
+                path,
+            )
+        if not matched:
+            wanted = device_name(self.kind, self.index)
+            found = ", ".join(self.metadata["memory_events_by_device"])
+            raise InvalidArgumentError(
+                f"{path}: no memory events for device {wanted}; the trace has events for {found}"
+                + (" (pass device='cpu')" if any(t == 0 for t, _ in devices) else "")
+            )
+
+    def live_before(self):
+        """Addresses freed before being allocated in the trace (``before_window="live"``)."""
+        return scan_before_window(self.records())
+
+    def finish(self, info):
+        """Adds what only a full pass knows to ``info``."""
+        info.metadata.update(self.metadata)
+        for reason, count in self.skipped.items():
+            info.skip(reason, count)
+        self.skipped = {}

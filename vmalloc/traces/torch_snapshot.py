@@ -1,0 +1,229 @@
+"""Reader of PyTorch CUDA memory snapshots (``torch.cuda.memory._dump_snapshot``).
+
+A snapshot is a plain pickle of a dict: ``device_traces[device]`` lists the allocator's
+actions in order (``alloc``, ``free_requested``, ``free_completed``, ``segment_*``, ``oom``,
+``snapshot``), ``segments`` the memory PyTorch held when it was dumped. It is read whole (a
+pickle cannot be streamed) with an unpickler that refuses every class: a snapshot holds only
+dicts, lists, strings and numbers, so a hostile file cannot run code. torch is not needed.
+
+Mapping: ``alloc`` -> ALLOC. PyTorch frees in two steps: ``free_requested`` when the tensor
+dies, ``free_completed`` when the block may be reused (after the streams that used it are done).
+Replay wants the second, so ``free_completed`` -> FREE; a ``free_requested`` -> FREE only when
+no ``free_completed`` of that address follows before the address is allocated again (traces
+recorded with ``skip_actions=["free_completed"]``, or cut off at the end). ``oom`` and the
+``segment_*`` and ``snapshot`` actions are counted in ``info.skipped``.
+
+The history is a ring buffer (``max_entries``): its oldest entries are lost, and memory
+allocated before recording began (weights, optimizer state) never appears. See
+:func:`vmalloc.traces.open_trace` (``before_window``) for what is done with both.
+"""
+
+import io
+import pickle
+
+from vmalloc.errors import InvalidArgumentError, TraceFormatError
+from vmalloc.traces._fields import u64
+from vmalloc.traces._normalize import scan_before_window
+from vmalloc.traces.events import ALLOC, FREE
+
+#: The first bytes of a pickle of protocol 2 or later (what torch writes).
+PICKLE_MAGIC = b"\x80"
+
+_LIVE_BLOCK_STATES = ("active_allocated", "active_pending_free", "active_awaiting_free")
+
+
+class _NoClassesUnpickler(pickle.Unpickler):
+    """Loads plain data only: a snapshot needs no class, and refusing them all means a
+    crafted file cannot make the unpickler import and call anything."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(
+            f"refusing to load {module}.{name}: a memory snapshot holds plain data only"
+        )
+
+
+def load_snapshot(path, data=None):
+    """The snapshot dict of the pickle at ``path`` (or of the bytes ``data``)."""
+    try:
+        if data is None:
+            with open(path, "rb") as f:
+                data = f.read()
+        snapshot = _NoClassesUnpickler(io.BytesIO(data)).load()
+    except OSError:
+        raise
+    except RecursionError:
+        raise TraceFormatError("not a PyTorch memory snapshot: pickle nested too deeply", path)
+    except Exception as error:  # pickle reports corruption with many exception types
+        raise TraceFormatError(
+            f"not a PyTorch memory snapshot: cannot unpickle ({type(error).__name__}: "
+            f"{error})",
+            path,
+        ) from None
+    if not isinstance(snapshot, dict):
+        raise TraceFormatError(
+            f"not a PyTorch memory snapshot: the pickle holds a {type(snapshot).__name__}, "
+            "not a dict",
+            path,
+        )
+    if "device_traces" not in snapshot:
+        raise TraceFormatError(
+            "the snapshot has no allocation history ('device_traces'): call "
+            "torch.cuda.memory._record_memory_history() before the code you snapshot",
+            path,
+        )
+    if not isinstance(snapshot["device_traces"], list):
+        raise TraceFormatError("'device_traces' is not a list", path)
+    return snapshot
+
+
+class TorchSnapshotReader:
+    """The events of one device of a PyTorch memory snapshot."""
+
+    format = "torch_snapshot"
+    direct = False  # events go through the normalizer
+
+    def __init__(self, path, kind, index):
+        if kind != "cuda":
+            raise InvalidArgumentError(
+                f"a PyTorch memory snapshot holds CUDA devices only, not {kind!r}"
+            )
+        self.path = path
+        snapshot = load_snapshot(path)
+        traces = snapshot["device_traces"]
+        if index >= len(traces):
+            raise InvalidArgumentError(
+                f"the snapshot has no device {index}: it records "
+                + (f"devices 0..{len(traces) - 1}" if traces else "no device")
+            )
+        entries = traces[index]
+        if not isinstance(entries, list):
+            raise TraceFormatError(f"device_traces[{index}] is not a list", path)
+        self.index = index
+        self.entries = entries
+        self.segments = snapshot.get("segments") or []
+        if not isinstance(self.segments, list):
+            raise TraceFormatError("'segments' is not a list", path)
+        self._effective_requests = self._free_requests_without_completion()
+        self.metadata = self._metadata(snapshot)
+
+    def _entry(self, i):
+        entry = self.entries[i]
+        if not isinstance(entry, dict) or not isinstance(entry.get("action"), str):
+            raise TraceFormatError(
+                f"trace entry {i + 1} of device {self.index} is not a dict with an 'action'",
+                self.path,
+                i + 1,
+            )
+        return entry
+
+    def _addr(self, entry, i):
+        return u64(entry.get("addr"), "'addr'", self.path, i + 1)
+
+    def _free_requests_without_completion(self):
+        """Indices of the ``free_requested`` entries that act as the free: those not followed
+        by a ``free_completed`` of the same address before it is allocated again."""
+        completed_later = set()  # addresses with a free_completed ahead (scanning backwards)
+        effective = set()
+        for i in range(len(self.entries) - 1, -1, -1):
+            entry = self._entry(i)
+            action = entry["action"]
+            if action == "free_completed":
+                completed_later.add(self._addr(entry, i))
+            elif action == "free_requested":
+                addr = self._addr(entry, i)
+                if addr in completed_later:
+                    completed_later.discard(addr)
+                else:
+                    effective.add(i)
+            elif action == "alloc":
+                completed_later.discard(self._addr(entry, i))
+        return effective
+
+    def records(self):
+        """``(op, stream, addr, size)`` for every alloc and free, in trace order."""
+        path = self.path
+        effective = self._effective_requests
+        skipped = {}
+        for i, entry in enumerate(self.entries):
+            action = entry["action"]
+            if action == "alloc":
+                op = ALLOC
+            elif action == "free_completed" or (action == "free_requested" and i in effective):
+                op = FREE
+            else:
+                if action != "free_requested":
+                    skipped[action] = skipped.get(action, 0) + 1
+                continue
+            addr = u64(entry.get("addr"), "'addr'", path, i + 1)
+            size = u64(entry.get("size", 0), "'size'", path, i + 1)
+            stream = u64(entry.get("stream", 0), "'stream'", path, i + 1)
+            yield op, stream, addr, size
+        self.skipped = skipped
+
+    def live_blocks(self):
+        """``{addr: (stream, requested size)}`` of the blocks of this device that were in
+        use when the snapshot was taken."""
+        blocks = {}
+        for s, segment in enumerate(self.segments):
+            if not isinstance(segment, dict):
+                raise TraceFormatError(f"segment {s + 1} is not a dict", self.path, s + 1)
+            if segment.get("device", self.index) != self.index:
+                continue
+            stream = segment.get("stream", 0)
+            for block in segment.get("blocks") or ():
+                if not isinstance(block, dict) or block.get("state") not in _LIVE_BLOCK_STATES:
+                    continue
+                addr = u64(block.get("address"), "block 'address'", self.path, s + 1)
+                size = block.get("requested_size") or block.get("size", 0)
+                size = u64(size, "block 'size'", self.path, s + 1)
+                blocks[addr] = (u64(stream, "segment 'stream'", self.path, s + 1), size)
+        return blocks
+
+    def _untouched_live_blocks(self):
+        """Blocks live at the dump whose address the history never mentions: they were
+        allocated before the window and stayed live through all of it."""
+        mentioned = set()
+        for entry in self.entries:
+            if entry["action"] in ("alloc", "free_requested", "free_completed"):
+                mentioned.add(entry.get("addr"))
+        return {a: v for a, v in self.live_blocks().items() if a not in mentioned}
+
+    def live_before(self):
+        """Memory allocated before the window, for ``before_window="live"``: the addresses
+        freed in the window without being allocated in it, then the blocks live throughout."""
+        before = scan_before_window(self.records())
+        for addr, value in self._untouched_live_blocks().items():
+            before.setdefault(addr, value)
+        return before
+
+    def finish(self, info):
+        """Adds what only a full pass knows to ``info``."""
+        for action, count in getattr(self, "skipped", {}).items():
+            info.skip(action, count)
+
+    def _metadata(self, snapshot):
+        actions = {}
+        for entry in self.entries:
+            action = entry.get("action")
+            actions[action] = actions.get(action, 0) + 1
+        segment_bytes = 0
+        segment_count = 0
+        for segment in self.segments:
+            if isinstance(segment, dict) and segment.get("device", self.index) == self.index:
+                segment_count += 1
+                size = segment.get("total_size", 0)
+                segment_bytes += size if type(size) is int else 0
+        untouched = self._untouched_live_blocks()
+        metadata = {
+            "trace_entries": len(self.entries),
+            "actions": actions,
+            "devices": len(snapshot["device_traces"]),
+            "segments": segment_count,
+            "segment_bytes": segment_bytes,
+            "live_before_window_blocks": len(untouched),
+            "live_before_window_bytes": sum(size for _, size in untouched.values()),
+        }
+        settings = snapshot.get("allocator_settings")
+        if isinstance(settings, dict):
+            metadata["allocator_settings"] = settings
+        return metadata
