@@ -1,0 +1,103 @@
+# cython: language_level=3
+"""LoggingAllocator: any vmalloc allocator, recording its allocations to a .vmtrace file."""
+
+import os
+
+from libc.stdint cimport uint64_t
+from libcpp cimport bool
+from libcpp.memory cimport shared_ptr, static_pointer_cast
+from libcpp.string cimport string
+
+from vmalloc._allocator cimport Allocator, CAllocator
+from vmalloc._device cimport vmalloc_raise_py_error
+
+
+cdef extern from "vmalloc/logging_adaptor.hpp" namespace "vmalloc" nogil:
+    cdef cppclass CLoggingAdaptor "vmalloc::LoggingAdaptor"(CAllocator):
+        CLoggingAdaptor(shared_ptr[CAllocator] upstream,
+                        const string& path) except +vmalloc_raise_py_error
+        void flush() except +vmalloc_raise_py_error
+        void close() except +vmalloc_raise_py_error
+        bool closed()
+        uint64_t events_written()
+        uint64_t unrecorded_frees()
+        uint64_t failed_allocations()
+
+
+cdef class LoggingAllocator(Allocator):
+    """Wraps ``allocator``: every call is forwarded to it, and each allocation and free is
+    recorded to the ``.vmtrace`` file at ``path`` (created or truncated), ready for
+    ``vmalloc replay`` or :func:`vmalloc.traces.open_trace`.
+
+    Works wherever an allocator does, including as PyTorch's or CuPy's allocator through
+    :func:`vmalloc.set_current_allocator`. Records are buffered; :meth:`close` (or leaving a
+    ``with`` block, or the last reference going away) completes the file. Thread-safe.
+
+    Example::
+
+        device = vmalloc.HostDevice(capacity="1GiB")
+        with vmalloc.LoggingAllocator(vmalloc.CachingAllocator(device), "job.vmtrace") as log:
+            p = log.allocate("3MiB")
+            log.deallocate(p)
+        trace = vmalloc.traces.open_trace("job.vmtrace")
+    """
+
+    cdef CLoggingAdaptor* logging
+    cdef readonly Allocator upstream
+    cdef readonly str path
+
+    def __init__(self, Allocator allocator not None, path):
+        cdef string c_path = os.fsencode(path)
+        if not allocator.c_allocator:
+            raise ValueError("the allocator to wrap is not initialized")
+        cdef shared_ptr[CLoggingAdaptor] adaptor = shared_ptr[CLoggingAdaptor](
+            new CLoggingAdaptor(allocator.c_allocator, c_path))
+        self.logging = adaptor.get()
+        self.c_allocator = static_pointer_cast[CAllocator, CLoggingAdaptor](adaptor)
+        self.device = allocator.device
+        self.upstream = allocator
+        self.path = os.fsdecode(path)
+
+    def flush(self):
+        """Writes buffered records to the file. Raises :class:`vmalloc.VmallocError` if a
+        write failed (recording stops at the first failure; allocations go on)."""
+        self.get()
+        with nogil:
+            self.logging.flush()
+
+    def close(self):
+        """Completes the trace file. Afterwards :meth:`allocate` raises and
+        :meth:`deallocate` still gives memory back, unrecorded. Idempotent."""
+        self.get()
+        with nogil:
+            self.logging.close()
+
+    @property
+    def closed(self):
+        """True once :meth:`close` was called."""
+        self.get()
+        return self.logging.closed()
+
+    @property
+    def events_written(self):
+        """Events recorded so far (buffered ones included)."""
+        self.get()
+        return self.logging.events_written()
+
+    @property
+    def unrecorded_frees(self):
+        """Frees of pointers allocated before the wrapping (forwarded, not recorded)."""
+        self.get()
+        return self.logging.unrecorded_frees()
+
+    @property
+    def failed_allocations(self):
+        """Allocations the wrapped allocator refused (not in the trace)."""
+        self.get()
+        return self.logging.failed_allocations()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
