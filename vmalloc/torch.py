@@ -1,0 +1,226 @@
+"""Using a vmalloc allocator as PyTorch's CUDA memory allocator.
+
+::
+
+    import vmalloc, vmalloc.torch
+    vmalloc.torch.use_vmalloc(vmalloc.VirtualAllocator(vmalloc.CudaDevice(0)))
+    x = torch.zeros(1024, 1024, device="cuda")   # memory from the vmalloc allocator
+    print(vmalloc.torch.memory_stats(0))
+
+PyTorch loads libvmalloc.so as a ``torch.cuda.memory.CUDAPluggableAllocator`` and calls its C
+functions ``vmalloc_torch_alloc`` / ``vmalloc_torch_free`` for every CUDA tensor, with the
+tensor's device and stream; those route to the device's current vmalloc allocator
+(:func:`vmalloc.set_current_allocator`). No Python runs per allocation.
+
+PyTorch can swap its allocator only before CUDA is initialized, so call :func:`use_vmalloc`
+before the first CUDA tensor. Importing this module never needs PyTorch; using it without
+PyTorch raises an ImportError that says so.
+"""
+
+import sys
+import threading
+
+from vmalloc import _current_allocator
+from vmalloc._current_allocator import library_path
+from vmalloc.errors import OutOfMemoryError, VmallocError
+
+__all__ = [
+    "check_out_of_memory",
+    "is_installed",
+    "memory_stats",
+    "pluggable_allocator",
+    "reset_peak_memory_stats",
+    "use_vmalloc",
+]
+
+_lock = threading.Lock()
+_pluggable = None
+_installed = False
+_oom_seen = {}  # (device, id(allocator)) -> out_of_memory_count already accounted for
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as error:
+        raise ImportError(f"vmalloc.torch needs PyTorch (pip install torch): {error}") from error
+    return torch
+
+
+def _torch_with_cuda():
+    torch = _torch()
+    if not hasattr(torch._C, "_cuda_customAllocator"):
+        raise RuntimeError(
+            f"PyTorch {torch.__version__} was built without CUDA (torch.version.cuda is "
+            f"{torch.version.cuda}); vmalloc.torch needs a CUDA build of PyTorch")
+    return torch
+
+
+def pluggable_allocator():
+    """The ``torch.cuda.memory.CUDAPluggableAllocator`` over libvmalloc.so (made once).
+
+    Its ``record_stream`` hook makes a tensor's free wait for the streams it was recorded on,
+    and its reset hook makes ``torch.cuda.empty_cache()`` release every device's cached
+    memory. Use it with ``torch.cuda.MemPool`` to route only some allocations to vmalloc;
+    :func:`use_vmalloc` installs it for all. Raises RuntimeError for a PyTorch without CUDA.
+    """
+    global _pluggable
+    torch = _torch_with_cuda()
+    with _lock:
+        if _pluggable is None:
+            pluggable = torch.cuda.memory.CUDAPluggableAllocator(
+                library_path(), "vmalloc_torch_alloc", "vmalloc_torch_free")
+            hooks = pluggable.allocator()
+            if hasattr(hooks, "set_record_stream_fn"):
+                hooks.set_record_stream_fn(
+                    _current_allocator.function_address("vmalloc_torch_record_stream"))
+            if hasattr(hooks, "set_reset_fn"):
+                hooks.set_reset_fn(_current_allocator.function_address("vmalloc_torch_empty_cache"))
+            _pluggable = pluggable
+        return _pluggable
+
+
+def _as_device_map(allocators):
+    from vmalloc._allocator import Allocator
+
+    if isinstance(allocators, Allocator):
+        return {allocators.device.ordinal: allocators}
+    if hasattr(allocators, "items"):
+        result = {}
+        for device, allocator in allocators.items():
+            if not isinstance(allocator, Allocator):
+                raise TypeError(f"allocator for device {device} must be a vmalloc.Allocator, "
+                                f"got {type(allocator).__name__}")
+            result[_device_index(device)] = allocator
+        return result
+    raise TypeError(f"expected a vmalloc.Allocator or a {{device: Allocator}} mapping, "
+                    f"got {type(allocators).__name__}")
+
+
+def use_vmalloc(allocators):
+    """Makes vmalloc PyTorch's CUDA allocator for the rest of the process.
+
+    ``allocators`` is one :class:`vmalloc.Allocator` (serving the CUDA device of its own
+    ordinal) or a ``{device: Allocator}`` mapping (ints, ``"cuda:1"`` or ``torch.device``);
+    each becomes that device's current vmalloc allocator. The first call installs
+    :func:`pluggable_allocator` with ``torch.cuda.memory.change_current_allocator``; later
+    calls only change the current allocators (tensors already allocated still go back to the
+    allocator that made them).
+
+    Raises RuntimeError, before changing anything, when PyTorch has no CUDA or has already
+    initialized CUDA (and with it its own allocator), which PyTorch cannot undo.
+    """
+    global _installed
+    mapping = _as_device_map(allocators)
+    torch = _torch_with_cuda()
+    with _lock:
+        installed = _installed
+    if not installed and torch.cuda.is_initialized():
+        raise RuntimeError(
+            "PyTorch has already initialized CUDA and its own caching allocator, which it "
+            "cannot swap afterwards: call vmalloc.torch.use_vmalloc() before creating any CUDA "
+            "tensor or calling torch.cuda functions that initialize CUDA")
+    pluggable = None if installed else pluggable_allocator()
+    previous = {}
+    try:
+        for device, allocator in mapping.items():
+            previous[device] = _current_allocator.set_current_allocator(allocator, device)
+            _remember_out_of_memory_count(device, allocator)
+        if pluggable is not None:
+            try:
+                torch.cuda.memory.change_current_allocator(pluggable)
+            except RuntimeError as error:
+                raise RuntimeError(
+                    f"PyTorch refused to switch to the vmalloc allocator ({error}); call "
+                    f"vmalloc.torch.use_vmalloc() before anything initializes CUDA") from error
+            with _lock:
+                _installed = True
+    except BaseException:
+        for device, allocator in previous.items():
+            _current_allocator.set_current_allocator(allocator, device)
+        raise
+
+
+def is_installed():
+    """True once :func:`use_vmalloc` made vmalloc PyTorch's CUDA allocator in this process."""
+    return _installed
+
+
+def _device_index(device):
+    """A CUDA ordinal from None (the current device), an int, ``"cuda"``, ``"cuda:1"`` or a
+    ``torch.device``."""
+    if device is None:
+        torch = sys.modules.get("torch")  # never import torch just to learn the device
+        if torch is not None and getattr(torch.version, "cuda", None) is not None:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                return torch.cuda.current_device()
+        return 0
+    if isinstance(device, bool):
+        raise TypeError("device must be an int, 'cuda:N' or a torch.device, got a bool")
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        kind, _, index = device.partition(":")
+        if kind != "cuda" or (index and not index.isdigit()):
+            raise ValueError(f"expected a CUDA device such as 'cuda:0', got {device!r}")
+        return int(index) if index else _device_index(None)
+    kind = getattr(device, "type", None)
+    if kind is not None:  # torch.device
+        if kind != "cuda":
+            raise ValueError(f"expected a CUDA device, got {device}")
+        return device.index if device.index is not None else _device_index(None)
+    raise TypeError(f"device must be an int, 'cuda:N' or a torch.device, "
+                    f"got {type(device).__name__}")
+
+
+def _allocator_of(device):
+    index = _device_index(device)
+    allocator = _current_allocator.get_current_allocator(index)
+    if allocator is None:
+        raise VmallocError(f"device {index} has no current vmalloc allocator; set one with "
+                           f"vmalloc.torch.use_vmalloc() or vmalloc.set_current_allocator()")
+    return index, allocator
+
+
+def memory_stats(device=None):
+    """The :class:`vmalloc.Stats` of ``device``'s current vmalloc allocator.
+
+    PyTorch's own ``torch.cuda.memory_stats()`` stays empty for a pluggable allocator; this is
+    the replacement. ``device`` is None (the current CUDA device), an int, ``"cuda:1"`` or a
+    ``torch.device``. Raises :class:`vmalloc.VmallocError` when the device has no current
+    allocator.
+    """
+    return _allocator_of(device)[1].stats()
+
+
+def reset_peak_memory_stats(device=None):
+    """Sets every peak statistic of ``device``'s current vmalloc allocator to its current value."""
+    _allocator_of(device)[1].reset_peak_stats()
+
+
+def _remember_out_of_memory_count(device, allocator):
+    with _lock:
+        _oom_seen[(device, id(allocator))] = allocator.stats().out_of_memory_count
+
+
+def check_out_of_memory(device=None):
+    """Raises :class:`vmalloc.OutOfMemoryError` if an allocation on ``device`` failed since
+    the last check.
+
+    PyTorch does not check what a pluggable allocator returns: a failed allocation becomes a
+    tensor at address 0, and the first kernel touching it fails with an illegal memory
+    access. Call this after a step (or when a CUDA error appears) to learn that vmalloc ran
+    out of memory; the error carries the allocator's ``.stats``.
+    """
+    index, allocator = _allocator_of(device)
+    stats = allocator.stats()
+    with _lock:
+        seen = _oom_seen.get((index, id(allocator)), 0)
+        _oom_seen[(index, id(allocator))] = stats.out_of_memory_count
+    if stats.out_of_memory_count > seen:
+        failures = stats.out_of_memory_count - seen
+        error = OutOfMemoryError(
+            f"{failures} allocation(s) on device {index} ran out of memory in the vmalloc "
+            f"allocator (PyTorch received null pointers for them)")
+        error.stats = stats
+        raise error
