@@ -10,6 +10,7 @@ from vmalloc.errors import (
     InvalidArgumentError,
     InvalidPointerError,
     OutOfMemoryError,
+    TraceFormatError,
     VmallocError,
 )
 from vmalloc.sizes import format_size, parse_size
@@ -18,6 +19,8 @@ from vmalloc._device import Device
 from vmalloc._allocator import Allocator
 from vmalloc._host_device import HostDevice
 from vmalloc._caching_allocator import CachingAllocator
+from vmalloc._logging_adaptor import LoggingAllocator
+from vmalloc import traces
 from vmalloc._current_allocator import (
     get_current_allocator,
     library_path,
@@ -34,12 +37,15 @@ __all__ = [
     "HostDevice",
     "InvalidArgumentError",
     "InvalidPointerError",
+    "LoggingAllocator",
     "OutOfMemoryError",
     "Stats",
+    "TraceFormatError",
     "VmallocError",
     "format_size",
     "get_current_allocator",
     "library_path",
     "parse_size",
     "set_current_allocator",
+    "traces",
 ]

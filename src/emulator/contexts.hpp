@@ -1,0 +1,12 @@
+// The calling thread's stack of current contexts (top = current).
+#pragma once
+
+#include <vector>
+
+#include "vmalloc/detail/cuda_driver.hpp"
+
+namespace vmalloc::emulator {
+
+std::vector<driver::CUcontext>& context_stack();
+
+}  // namespace vmalloc::emulator

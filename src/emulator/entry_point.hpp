@@ -1,0 +1,50 @@
+// The entry points the driver emulator exports, as an enum for counting calls and injecting
+// faults. Generated from the same table CudaDevice resolves (detail/cuda_driver.hpp), so the
+// emulator exports exactly what CudaDevice uses.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "vmalloc/detail/cuda_driver.hpp"
+
+namespace vmalloc::emulator {
+
+enum class EntryPoint : int {
+#define VMALLOC_EMULATOR_ENUM(member, symbol, params) member,
+  VMALLOC_CUDA_ENTRY_POINTS(VMALLOC_EMULATOR_ENUM)
+#undef VMALLOC_EMULATOR_ENUM
+  count_
+};
+
+inline constexpr std::size_t entry_point_count = static_cast<std::size_t>(EntryPoint::count_);
+
+// The exported symbol: "cuMemMap", "cuMemcpyHtoDAsync_v2", ...
+const char* entry_point_symbol(EntryPoint entry) noexcept;
+// Finds an entry point by its exported symbol or by its cuda.h name ("cuStreamDestroy" finds
+// cuStreamDestroy_v2). False when unknown.
+bool find_entry_point(const std::string& name, EntryPoint* entry) noexcept;
+
+// Calls per entry point since load or reset. Relaxed atomics: counting must be cheap.
+class CallCounts {
+ public:
+  CallCounts() { reset(); }
+  // Counts one call; returns its number (1 for the first call).
+  std::uint64_t increment(EntryPoint entry) noexcept {
+    return counts_[static_cast<std::size_t>(entry)].fetch_add(1, std::memory_order_relaxed) + 1;
+  }
+  std::uint64_t get(EntryPoint entry) const noexcept {
+    return counts_[static_cast<std::size_t>(entry)].load(std::memory_order_relaxed);
+  }
+  void reset() noexcept {
+    for (auto& c : counts_) c.store(0, std::memory_order_relaxed);
+  }
+
+ private:
+  std::array<std::atomic<std::uint64_t>, entry_point_count> counts_;
+};
+
+}  // namespace vmalloc::emulator
