@@ -8,7 +8,7 @@ streamed (see :mod:`vmalloc.traces._json_stream`); a ``.json.gz`` is decompresse
 Memory events carry no stream: every event is on stream 0.
 """
 
-from vmalloc.errors import InvalidArgumentError, TraceFormatError
+from vmalloc.errors import TraceFormatError
 from vmalloc.traces._fields import device_name, u64
 from vmalloc.traces._files import open_text
 from vmalloc.traces._json_stream import JsonEventScanner
@@ -108,9 +108,10 @@ class KinetoReader:
         if not matched:
             wanted = device_name(self.kind, self.index)
             found = ", ".join(self.metadata["memory_events_by_device"])
-            raise InvalidArgumentError(
-                f"{path}: no memory events for device {wanted}; the trace has events for {found}"
-                + (" (pass device='cpu')" if any(t == 0 for t, _ in devices) else "")
+            raise TraceFormatError(
+                f"no memory events for device {wanted}; the trace has events for {found}"
+                + (" (pass device='cpu')" if any(t == 0 for t, _ in devices) else ""),
+                path,
             )
 
     def live_before(self):

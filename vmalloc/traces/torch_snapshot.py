@@ -91,9 +91,10 @@ class TorchSnapshotReader:
         snapshot = load_snapshot(path)
         traces = snapshot["device_traces"]
         if index >= len(traces):
-            raise InvalidArgumentError(
+            raise TraceFormatError(
                 f"the snapshot has no device {index}: it records "
-                + (f"devices 0..{len(traces) - 1}" if traces else "no device")
+                + (f"devices 0..{len(traces) - 1}" if traces else "no device"),
+                path,
             )
         entries = traces[index]
         if not isinstance(entries, list):
