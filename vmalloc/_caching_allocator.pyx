@@ -145,7 +145,7 @@ cdef class CachingAllocator(Allocator):
 
     @property
     def policy(self):
-        """The policy preset: ``"pytorch"``, ``"nnabla"`` or ``"cupy"``."""
+        """The policy preset, one of ``"pytorch"``, ``"nnabla"`` and ``"cupy"``."""
         return caching_policy_name(self.caching().options().policy).decode()
 
     @property
