@@ -5,7 +5,10 @@ allocator in tests/test_allocator_protocol.py; this file tests what is particula
 caching policy. Most tests run on an unbacked HostDevice (accounting only), so sizes are free.
 """
 
+import bisect
+import pickle
 import threading
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -366,6 +369,33 @@ def test_fragmentation_runs_out_of_memory_with_enough_bytes_free():
     assert ca.stats().cached_bytes == 20 * MiB
 
 
+# ---- against PyTorch itself ----
+
+SNAPSHOT = (Path(__file__).resolve().parents[2] / "shared" / "traces" /
+            "torch_snapshot_transformer_lm.pickle")
+
+
+@pytest.mark.skipif(not SNAPSHOT.exists(), reason="shared/traces is not beside the repository")
+def test_pytorch_placed_every_traced_allocation_in_the_pool_this_policy_predicts():
+    with open(SNAPSHOT, "rb") as f:
+        snapshot = pickle.load(f)
+    assert snapshot["allocator_settings"]["max_split_size"] == -1   # PyTorch's defaults
+    segments = sorted((s["address"], s["total_size"], s["segment_type"])
+                      for s in snapshot["segments"])
+    starts = [address for address, _, _ in segments]
+    _, ca = make()
+    # Every segment PyTorch made has a size this policy makes.
+    for _, size, pool in segments:
+        assert valid_segment(pool, size), (pool, size)
+    allocs = [e for e in snapshot["device_traces"][0] if e["action"] == "alloc"]
+    assert len(allocs) == 2162
+    for e in allocs:
+        address, size, pool = segments[bisect.bisect_right(starts, e["addr"]) - 1]
+        assert pool == ca.pool_of(e["size"]), e["size"]
+        assert e["addr"] % 512 == 0
+        assert e["addr"] + ca.round_size(e["size"]) <= address + size
+
+
 # ---- streams ----
 
 def test_free_on_the_allocation_stream_is_reusable_at_once():
@@ -392,6 +422,26 @@ def test_free_on_another_stream_waits_for_an_event():
     assert ca.allocate(12 * MiB) == p
     c = device.counters()
     assert (c["event_create"], c["event_record"]) == (1, 1)
+
+
+def test_a_block_waits_while_the_freeing_stream_is_busy():
+    device, ca = make()
+    if not hasattr(device, "hold_stream"):
+        pytest.skip("HostDevice.hold_stream is not built")
+    s1 = device.create_stream()
+    p = ca.allocate(12 * MiB)
+    hold = device.hold_stream(s1)       # s1 busy: the event recorded at free time is pending
+    try:
+        ca.deallocate(p, stream=s1)
+        q = ca.allocate(12 * MiB)
+        assert q != p                    # not reused while s1's earlier work may use it
+        assert ca.segment_stats()["waiting_blocks"] == 1
+        assert ca.stats().reserved_bytes == 24 * MiB
+    finally:
+        device.release_hold(hold)
+    device.synchronize_stream(s1)
+    assert ca.allocate(12 * MiB) == p
+    assert ca.segment_stats()["waiting_blocks"] == 0
 
 
 def test_a_block_freed_on_another_stream_returns_to_its_allocation_stream():
