@@ -213,6 +213,15 @@ AbiAllocations& abi_allocations() {
   return instance;
 }
 
+// device -1: every device with a current allocator.
+std::size_t release_cached(int device) {
+  if (device != -1) return allocator_for(device)->release_cached();
+  std::size_t total = 0;
+  for (int d : devices_with_current_allocator())
+    if (auto a = current_allocator(d)) total += a->release_cached();
+  return total;
+}
+
 stream_t to_stream(void* stream) noexcept { return reinterpret_cast<stream_t>(stream); }
 device_ptr to_ptr(void* ptr) noexcept { return reinterpret_cast<device_ptr>(ptr); }
 void* from_ptr(device_ptr p) noexcept { return reinterpret_cast<void*>(p); }
@@ -310,13 +319,7 @@ int vmalloc_reset_peak_stats(int device) {
 
 int vmalloc_release_cached(int device, size_t* released) {
   return guarded("vmalloc_release_cached", [&] {
-    std::size_t total = 0;
-    if (device == -1) {
-      for (int d : vmalloc::devices_with_current_allocator())
-        if (auto a = vmalloc::current_allocator(d)) total += a->release_cached();
-    } else {
-      total = vmalloc::allocator_for(device)->release_cached();
-    }
+    std::size_t total = vmalloc::release_cached(device);
     if (released) *released = total;
   });
 }
@@ -348,7 +351,9 @@ void vmalloc_torch_record_stream(void* ptr, void* stream) {
   });
 }
 
-void vmalloc_torch_empty_cache(void) { vmalloc_release_cached(-1, nullptr); }
+void vmalloc_torch_empty_cache(void) {
+  guarded("vmalloc_torch_empty_cache", [] { vmalloc::release_cached(-1); });
+}
 
 void* vmalloc_cupy_malloc(void* param, size_t size, int device_id) {
   vmalloc::device_ptr p = 0;

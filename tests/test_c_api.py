@@ -382,6 +382,29 @@ def test_a_cuda_allocator_is_not_set_for_another_ordinal(make_allocator):
     assert vmalloc.get_current_allocator(1) is None
 
 
+def test_abi_over_the_emulated_cuda_device(make_allocator, lib):
+    if not hasattr(vmalloc, "CudaDevice"):
+        pytest.skip("vmalloc.CudaDevice is not built")
+    testing = pytest.importorskip("vmalloc.testing")
+    if not hasattr(testing, "emulated_cuda_device"):
+        pytest.skip("vmalloc.testing.emulated_cuda_device is not built")
+    device = testing.emulated_cuda_device(capacity="64MiB")
+    a = make_allocator(device)
+    vmalloc.set_current_allocator(a, 0)
+    try:
+        stream = device.create_stream()
+        p = lib.vmalloc_torch_alloc(3 * MiB, 0, stream)
+        assert a.allocation_size(p) == 3 * MiB
+        device.write(p, b"through libcuda", stream=stream)
+        assert device.read(p, 15, stream=stream) == b"through libcuda"
+        lib.vmalloc_torch_free(p, 3 * MiB, 0, stream)
+        assert c_stats(lib).live_allocations == 0
+        device.synchronize()
+        device.destroy_stream(stream)
+    finally:
+        vmalloc.set_current_allocator(None, 0)
+
+
 def test_concurrent_threads(allocator, lib):
     errors = []
 
