@@ -1,0 +1,572 @@
+"""Replaying allocation traces through vmalloc's allocators, without a GPU.
+
+A trace (a PyTorch snapshot, an RMM log, a stress pattern, ...) is replayed through each
+allocator on a fresh accounting-only :class:`vmalloc.HostDevice`, event by event in C++
+(:class:`Replay`). Each run gives a :class:`ReplayResult`: peaks, utilization, driver traffic,
+where it ran out of memory under a capacity, and the smallest capacity that runs the whole
+trace (found by bisection, each probe a full replay on a fresh device).
+
+>>> from vmalloc.replay import replay
+>>> for result in replay("snapshot.pickle"):          # doctest: +SKIP
+...     print(result.allocator, result.utilization, result.min_capacity_bytes)
+"""
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from vmalloc._replay import Replay
+from vmalloc.errors import InvalidArgumentError
+from vmalloc.sizes import format_size, parse_size
+from vmalloc.stats import Stats
+from vmalloc.traces.events import BATCH_EVENTS, EVENT_DTYPE
+
+__all__ = [
+    "ALLOCATOR_KINDS",
+    "Replay",
+    "ReplayResult",
+    "Timeline",
+    "TraceSource",
+    "format_table",
+    "make_allocator",
+    "min_capacity",
+    "replay",
+    "replay_once",
+]
+
+#: The allocator kinds :func:`replay` builds by name.
+ALLOCATOR_KINDS = ("caching", "virtual")
+
+#: Traces up to this many events are kept in memory after their first read, so that the
+#: bisection's probes do not parse the file again (32 bytes an event: 128 MiB).
+CACHE_EVENTS = 1 << 22
+
+#: At most this many probes per minimum-capacity search; each is a full replay.
+MAX_PROBES = 32
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Requested and reserved bytes over a replay, downsampled to a few thousand points.
+
+    Point ``i`` covers the events from ``events[i]`` to ``events[i + 1]`` and holds the
+    largest value seen in that span, so that peaks survive the downsampling.
+    """
+
+    events: np.ndarray
+    requested_bytes: np.ndarray
+    reserved_bytes: np.ndarray
+
+    def __len__(self):
+        return len(self.events)
+
+
+@dataclass
+class ReplayResult:
+    """What one allocator did with one trace.
+
+    ``utilization`` is ``peak_requested_bytes / peak_reserved_bytes`` (1.0 is no waste at
+    all). ``out_of_memory_event`` is the index of the first allocation that ran out of memory
+    under ``capacity_bytes``, where the run stopped (None when it completed).
+    ``min_capacity_bytes`` is the smallest device capacity, in whole granules, under which the
+    whole trace ran (None when not searched); ``min_capacity_exact`` tells whether one granule
+    less was seen to fail (else the probe budget ran out first and it is an upper bound).
+    ``min_capacity_utilization`` is the whole trace's peak requested bytes divided by
+    ``min_capacity_bytes``: how much of the smallest device that works the trace really uses. Without a capacity an allocator
+    may keep cached memory it would give up under pressure (the virtual allocator creates
+    chunks before it remaps cached ones), so this is the fairer figure of merit.
+    ``replay_seconds`` is the run's wall time, trace reading included; ``engine_seconds`` the
+    part spent replaying, which ``events_per_second`` is computed from.
+    """
+
+    trace: str
+    allocator: str
+    events: int
+    trace_events: Optional[int]
+    completed: bool
+    capacity_bytes: Optional[int]
+    granularity_bytes: int
+    peak_requested_bytes: int
+    peak_reserved_bytes: int
+    peak_allocated_bytes: int
+    utilization: float
+    peak_internal_fragmentation_bytes: int
+    peak_live_allocations: int
+    allocations: int
+    frees: int
+    unknown_frees: int
+    reused_addresses: int
+    streams: int
+    out_of_memory_event: Optional[int]
+    out_of_memory_request_bytes: Optional[int]
+    driver_calls: int
+    memory_management_calls: int
+    modeled_driver_seconds: float
+    driver_call_counts: dict
+    replay_seconds: float
+    engine_seconds: float
+    events_per_second: float
+    options: dict = field(default_factory=dict)
+    min_capacity_bytes: Optional[int] = None
+    min_capacity_utilization: Optional[float] = None
+    min_capacity_exact: Optional[bool] = None
+    min_capacity_probes: int = 0
+    stats: Stats = field(default_factory=Stats, repr=False)
+    timeline: Optional[Timeline] = field(default=None, repr=False)
+
+    def to_dict(self):
+        """The result as plain JSON-ready values (the timeline left out)."""
+        out = {}
+        for f in fields(self):
+            if f.name == "timeline":
+                continue
+            value = getattr(self, f.name)
+            out[f.name] = value.to_dict() if isinstance(value, Stats) else value
+        return out
+
+
+class TraceSource:
+    """Events to replay, readable as many times as the bisection needs.
+
+    ``source`` is a trace file path (read with :func:`vmalloc.traces.open_trace` with
+    ``format``, ``device`` and ``before_window``), a trace
+    object with a ``batches()`` method, a NumPy array of
+    :data:`~vmalloc.traces.events.EVENT_DTYPE`, or a list of such arrays. Traces of at most
+    :data:`CACHE_EVENTS` events are kept in memory after their first read.
+    """
+
+    def __init__(self, source, name=None, format=None, device=0, before_window="drop"):
+        self._trace = None
+        self._cached = None
+        self.total_events = None
+        if isinstance(source, (str, os.PathLike)):
+            from vmalloc.traces import open_trace
+
+            path = Path(source)
+            self._trace = open_trace(path, format=format, device=device,
+                                     before_window=before_window)
+            self.name = name or _trace_name(path)
+        elif isinstance(source, np.ndarray):
+            batch = _as_events(source)
+            self._cached = [batch[i:i + BATCH_EVENTS] for i in range(0, len(batch), BATCH_EVENTS)]
+            self.total_events = len(batch)
+            self.name = name or "events"
+        elif hasattr(source, "batches"):
+            self._trace = source
+            path = getattr(source, "path", None)
+            self.name = name or getattr(source, "name", None) or (
+                _trace_name(Path(path)) if path else "trace")
+        elif isinstance(source, (list, tuple)):
+            self._cached = [_as_events(b) for b in source]
+            self.total_events = sum(len(b) for b in self._cached)
+            self.name = name or "events"
+        else:
+            raise InvalidArgumentError(
+                f"cannot replay a {type(source).__name__}: give a trace path, a trace, or an "
+                "array of vmalloc.traces.events.EVENT_DTYPE")
+        if self.total_events is None:
+            # Formats that record their length say so up front (a progress bar's total).
+            value = getattr(getattr(self._trace, "info", None), "events", None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                self.total_events = value
+
+    def batches(self):
+        """Yields the event batches, from the memory cache when there is one."""
+        if self._cached is not None:
+            yield from self._cached
+            return
+        kept, count = [], 0
+        for batch in self._trace.batches():
+            batch = _as_events(batch)
+            count += len(batch)
+            if kept is not None:
+                if count <= CACHE_EVENTS:
+                    kept.append(batch.copy())
+                else:
+                    kept = None
+            yield batch
+        self.total_events = count
+        if kept is not None:
+            self._cached = kept
+
+
+def _trace_name(path):
+    name = path.name
+    for suffix in (".gz", ".pickle", ".pkl", ".json", ".csv", ".vmtrace", ".log", ".txt"):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+    return name or str(path)
+
+
+def _as_events(batch):
+    arr = np.asarray(batch)
+    if arr.dtype != EVENT_DTYPE:
+        if arr.dtype.names != EVENT_DTYPE.names:
+            raise InvalidArgumentError(
+                f"trace events must be arrays of vmalloc.traces.events.EVENT_DTYPE, "
+                f"got dtype {arr.dtype}")
+        arr = arr.astype(EVENT_DTYPE)
+    return np.ascontiguousarray(arr.reshape(-1))
+
+
+def _source(trace, format=None, device=0, before_window="drop", name=None):
+    if isinstance(trace, TraceSource):
+        return trace
+    if trace is None:
+        from vmalloc.traces import builtin_traces
+
+        shipped = builtin_traces()
+        if not shipped:
+            raise InvalidArgumentError("no trace given and no built-in trace is installed")
+        shipped_name, path = next(iter(sorted(shipped.items())))
+        return TraceSource(path, name=name or shipped_name, format=format, device=device,
+                           before_window=before_window)
+    return TraceSource(trace, name=name, format=format, device=device,
+                       before_window=before_window)
+
+
+def make_allocator(kind, device, chunk_size=None, max_split_size=None, policy=None):
+    """Builds the allocator ``kind`` on ``device``.
+
+    ``kind`` is ``"caching"`` (:class:`vmalloc.CachingAllocator`, which takes
+    ``max_split_size`` and ``policy``), ``"virtual"`` (:class:`vmalloc.VirtualAllocator`,
+    which takes ``chunk_size``), or a callable ``kind(device) -> Allocator`` for anything
+    else. Options that do not apply to the kind are ignored, so that one set of options
+    serves a comparison.
+    """
+    import vmalloc
+
+    if callable(kind):
+        return kind(device)
+    options = {}
+    if kind == "virtual":
+        if chunk_size is not None:
+            options["chunk_size"] = chunk_size
+        return vmalloc.VirtualAllocator(device, **options)
+    if kind == "caching":
+        if max_split_size is not None:
+            options["max_split_size"] = max_split_size
+        if policy is not None:
+            options["policy"] = policy
+        return vmalloc.CachingAllocator(device, **options)
+    raise InvalidArgumentError(
+        f"unknown allocator {kind!r}; choose from {', '.join(ALLOCATOR_KINDS)}")
+
+
+def _options(kind, chunk_size, max_split_size, policy):
+    """The allocator options that apply to ``kind``, parsed."""
+    options = {}
+    if chunk_size is not None and kind in ("virtual",):
+        options["chunk_size"] = parse_size(chunk_size, "chunk_size")
+    if kind == "caching":
+        if max_split_size is not None:
+            options["max_split_size"] = parse_size(max_split_size, "max_split_size")
+        if policy is not None:
+            options["policy"] = policy
+    return options
+
+
+def _make_device(capacity, granularity):
+    import vmalloc
+
+    options = {"backed": False}
+    if capacity is not None:
+        options["capacity"] = capacity
+    if granularity is not None:
+        options["granularity"] = granularity
+    return vmalloc.HostDevice(**options)
+
+
+class _Progress:
+    """A one-line progress bar on stderr, redrawn at most five times a second."""
+
+    def __init__(self, label, total, stream):
+        self.label, self.total, self.stream = label, total, stream
+        self.last = 0.0
+
+    def update(self, done, force=False):
+        now = time.monotonic()
+        if not force and now - self.last < 0.2:
+            return
+        self.last = now
+        if self.total:
+            frac = min(1.0, done / self.total)
+            bar = "#" * int(frac * 30)
+            text = f"{self.label} [{bar:<30}] {frac:6.1%} {done:,}/{self.total:,} events"
+        else:
+            text = f"{self.label} {done:,} events"
+        self.stream.write("\r" + text[:120])
+        self.stream.flush()
+
+    def close(self):
+        self.stream.write("\r" + " " * 120 + "\r")
+        self.stream.flush()
+
+
+def _run(source, kind, capacity, granularity, options, timeline_points, progress_label=None):
+    """One full replay on a fresh device. Returns (replay, allocator, device, (seconds in
+    all, seconds in the engine)): reading the trace is the difference."""
+    device = _make_device(capacity, granularity)
+    allocator = make_allocator(kind, device, **options)
+    engine = Replay(allocator, timeline_points=timeline_points, stop_on_out_of_memory=True)
+    bar = _Progress(progress_label, source.total_events, sys.stderr) if progress_label else None
+    start = time.perf_counter()
+    in_engine = 0.0
+    try:
+        for batch in source.batches():
+            t = time.perf_counter()
+            going = engine.feed(batch)
+            in_engine += time.perf_counter() - t
+            if bar:
+                bar.update(engine.counts()["events"])
+            if not going:
+                break
+    finally:
+        if bar:
+            bar.close()
+    return engine, allocator, device, (time.perf_counter() - start, in_engine)
+
+
+def _passes(source, kind, capacity, granularity, options):
+    engine, _, _, _ = _run(source, kind, capacity, granularity, options, 0)
+    return not engine.stopped
+
+
+def replay_once(trace, allocator="virtual", *, capacity=None, granularity=None, chunk_size=None,
+                max_split_size=None, policy=None, timeline_points=2048, progress=False,
+                format=None, device=0, before_window="drop", name=None):
+    """Replays ``trace`` through one allocator on a fresh unbacked HostDevice.
+
+    Args:
+        trace: a path, a trace object, an array of events, or a :class:`TraceSource`.
+        allocator: ``"caching"``, ``"virtual"`` or a callable ``f(device) -> Allocator``.
+        capacity: device capacity (bytes or a size string); None is unlimited. The run stops
+            at the first allocation that runs out of memory.
+        granularity: the device's granularity (default: the device's, 2 MiB).
+        chunk_size: the virtual allocator's chunk size.
+        max_split_size, policy: the caching allocator's options.
+        timeline_points: resolution of the result's :class:`Timeline` (0: none).
+        progress: draw a progress bar on stderr.
+        format, device, before_window: how to read a trace file
+            (see :func:`vmalloc.traces.open_trace`).
+        name: what to call the trace in results.
+
+    Returns a :class:`ReplayResult` (``min_capacity_bytes`` not searched: see :func:`replay`).
+    """
+    source = _source(trace, format=format, device=device, before_window=before_window,
+                     name=name)
+    capacity = parse_size(capacity, "capacity", allow_none=True)
+    if capacity == 0:
+        raise InvalidArgumentError("capacity must be positive, or None for unlimited")
+    granularity = parse_size(granularity, "granularity", allow_none=True)
+    kind_name = allocator if isinstance(allocator, str) else None
+    options = _options(kind_name, chunk_size, max_split_size, policy)
+    label = f"{source.name}: {kind_name or 'allocator'}" if progress else None
+    engine, alloc, dev, seconds = _run(source, allocator, capacity, granularity, options,
+                                       timeline_points, label)
+    return _result(source, kind_name or alloc.name, engine, alloc, dev, seconds, capacity,
+                   options)
+
+
+def _result(source, kind, engine, allocator, device, seconds, capacity, options):
+    counts = engine.counts()
+    stats = allocator.stats()
+    calls = device.counters()
+    first, requested, reserved = engine.timeline()
+    events = counts["events"]
+    call_names = [k for k, v in calls.items() if isinstance(v, int) and k not in (
+        "memory_management_calls", "bytes_to_device", "bytes_to_host", "bytes_device")]
+    oom = counts["out_of_memory_event"]
+    return ReplayResult(
+        trace=source.name,
+        allocator=kind,
+        events=events,
+        trace_events=source.total_events,
+        completed=not engine.stopped,
+        capacity_bytes=capacity,
+        granularity_bytes=device.granularity,
+        peak_requested_bytes=stats.peak_requested_bytes,
+        peak_reserved_bytes=stats.peak_reserved_bytes,
+        peak_allocated_bytes=stats.peak_allocated_bytes,
+        utilization=stats.utilization,
+        peak_internal_fragmentation_bytes=stats.peak_internal_fragmentation_bytes,
+        peak_live_allocations=stats.peak_live_allocations,
+        allocations=counts["allocations"],
+        frees=counts["frees"],
+        unknown_frees=counts["unknown_frees"],
+        reused_addresses=counts["reused_addresses"],
+        streams=counts["streams"],
+        out_of_memory_event=oom,
+        out_of_memory_request_bytes=None if oom is None else counts["out_of_memory_request_bytes"],
+        driver_calls=sum(calls[k] for k in call_names),
+        memory_management_calls=calls["memory_management_calls"],
+        modeled_driver_seconds=calls["modeled_seconds"],
+        driver_call_counts={k: calls[k] for k in call_names if calls[k]},
+        replay_seconds=seconds[0],
+        engine_seconds=seconds[1],
+        events_per_second=events / seconds[1] if seconds[1] > 0 else 0.0,
+        options=dict(options),
+        stats=stats,
+        timeline=Timeline(first, requested, reserved),
+    )
+
+
+def min_capacity(trace, allocator="virtual", *, granularity=None, chunk_size=None,
+                 max_split_size=None, policy=None, max_probes=MAX_PROBES, reference=None,
+                 format=None, device=0, before_window="drop"):
+    """The smallest device capacity, in whole granules, under which ``trace`` runs to the end.
+
+    Bisection between the trace's peak requested bytes (no allocator can do with less) and
+    the peak reserved bytes of an unlimited run (which then runs identically); each probe is a
+    full replay on a fresh device that stops at its first out-of-memory. Allocators are not
+    strictly monotone in capacity, so this is the boundary the bisection finds.
+
+    Returns ``(capacity_bytes, exact, probes)``: ``exact`` is True when one granule less was
+    seen to fail, False when ``max_probes`` ran out first (``capacity_bytes`` then still runs
+    the trace, or is None when no capacity tried did). ``reference`` may be a completed
+    :class:`ReplayResult` of the same trace, allocator and options without a capacity, which
+    saves the unlimited run. Other arguments are as for :func:`replay_once`.
+    """
+    source = _source(trace, format=format, device=device, before_window=before_window)
+    kind_name = allocator if isinstance(allocator, str) else None
+    options = _options(kind_name, chunk_size, max_split_size, policy)
+    granularity = parse_size(granularity, "granularity", allow_none=True)
+    if max_probes < 1:
+        raise InvalidArgumentError(f"max_probes must be at least 1, got {max_probes}")
+    return _bisect(source, allocator, granularity, options, max_probes, reference)[:3]
+
+
+def _bisect(source, kind, granularity, options, max_probes, reference):
+    probes = 0
+    if reference is None or not reference.completed or reference.capacity_bytes is not None:
+        engine, alloc, dev, _ = _run(source, kind, None, granularity, options, 0)
+        probes += 1
+        stats = alloc.stats()
+        peak_requested, peak_reserved = stats.peak_requested_bytes, stats.peak_reserved_bytes
+        g = dev.granularity
+    else:
+        peak_requested = reference.peak_requested_bytes
+        peak_reserved = reference.peak_reserved_bytes
+        g = reference.granularity_bytes
+    if peak_requested == 0:
+        return 0, True, probes, 0
+    # Invariant: `hi` granules run the whole trace; `lo` granules do not (less than the peak
+    # requested bytes can hold no allocator's live allocations).
+    lo = math.ceil(peak_requested / g) - 1
+    hi = max(lo + 1, math.ceil(peak_reserved / g))
+    while True:
+        if probes >= max_probes:
+            # Nothing tried ran the trace within the budget.
+            return None, False, probes, peak_requested
+        probes += 1
+        if _passes(source, kind, hi * g, granularity, options):
+            break
+        lo, hi = hi, hi * 2
+    while hi - lo > 1 and probes < max_probes:
+        mid = (lo + hi) // 2
+        probes += 1
+        if _passes(source, kind, mid * g, granularity, options):
+            hi = mid
+        else:
+            lo = mid
+    return hi * g, hi - lo == 1, probes, peak_requested
+
+
+def replay(trace=None, allocators=ALLOCATOR_KINDS, *, capacity=None, granularity=None,
+           chunk_size=None, max_split_size=None, policy=None, min_capacity=True,
+           max_probes=MAX_PROBES, timeline_points=2048, progress=False, format=None,
+           device=0, before_window="drop", name=None):
+    """Replays one trace through each allocator; returns a list of :class:`ReplayResult`.
+
+    ``trace`` is a path, a trace object, an array of events, a :class:`TraceSource`, or None
+    for the trace shipped with vmalloc (the first by name, when there are several). Each allocator runs on its own fresh unbacked
+    :class:`vmalloc.HostDevice` of ``capacity`` (None: unlimited) and stops at its first
+    out-of-memory. With ``min_capacity`` the smallest capacity that runs the whole trace is
+    searched too, in at most ``max_probes`` replays (see :func:`min_capacity`). The other
+    arguments are those of :func:`replay_once`.
+    """
+    source = _source(trace, format=format, device=device, before_window=before_window,
+                     name=name)
+    if isinstance(allocators, str) or callable(allocators):
+        allocators = [allocators]
+    if not allocators:
+        raise InvalidArgumentError("give at least one allocator to replay through")
+    if min_capacity and max_probes < 1:
+        raise InvalidArgumentError(f"max_probes must be at least 1, got {max_probes}")
+    results = []
+    for kind in allocators:
+        result = replay_once(source, kind, capacity=capacity, granularity=granularity,
+                             chunk_size=chunk_size, max_split_size=max_split_size,
+                             policy=policy, timeline_points=timeline_points, progress=progress)
+        if min_capacity:
+            capacity_bytes, exact, probes, peak_requested = _bisect(
+                source, kind, parse_size(granularity, "granularity", allow_none=True),
+                result.options, max_probes, result)
+            result.min_capacity_bytes = capacity_bytes
+            if capacity_bytes:
+                result.min_capacity_utilization = peak_requested / capacity_bytes
+            result.min_capacity_exact = exact
+            result.min_capacity_probes = probes
+        results.append(result)
+    return results
+
+
+def format_table(results):
+    """A readable report of results: per trace, one column per allocator."""
+    rows = [
+        ("events replayed", lambda r: f"{r.events:,}" + ("" if r.completed else " (stopped)")),
+        ("peak requested", lambda r: format_size(r.peak_requested_bytes)),
+        ("peak reserved", lambda r: format_size(r.peak_reserved_bytes)),
+        ("utilization", lambda r: f"{r.utilization:.3f}"),
+        ("peak internal fragmentation",
+         lambda r: format_size(r.peak_internal_fragmentation_bytes)),
+        ("peak live allocations", lambda r: f"{r.peak_live_allocations:,}"),
+        ("driver calls: memory mgmt / all",
+         lambda r: f"{r.memory_management_calls:,} / {r.driver_calls:,}"),
+        ("modeled driver time", lambda r: _format_seconds(r.modeled_driver_seconds)),
+        ("out of memory at",
+         lambda r: "-" if r.out_of_memory_event is None else
+         f"event {r.out_of_memory_event:,} ({format_size(r.out_of_memory_request_bytes)})"),
+        ("min capacity that runs it", _format_min_capacity),
+        ("utilization at min capacity",
+         lambda r: "-" if r.min_capacity_utilization is None else
+         f"{r.min_capacity_utilization:.3f}"),
+    ]
+    blocks = []
+    traces = list(dict.fromkeys(r.trace for r in results))
+    for trace in traces:
+        group = [r for r in results if r.trace == trace]
+        header = trace
+        if group[0].capacity_bytes is not None:
+            header += f" (capacity {format_size(group[0].capacity_bytes)})"
+        table = [[""] + [r.allocator for r in group]]
+        table += [[label] + [fmt(r) for r in group] for label, fmt in rows]
+        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+        lines = [header]
+        for row in table:
+            lines.append("  " + "  ".join(
+                cell.ljust(widths[0]) if i == 0 else cell.rjust(widths[i])
+                for i, cell in enumerate(row)).rstrip())
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def _format_min_capacity(r):
+    if r.min_capacity_bytes is None:
+        return "none found" if r.min_capacity_probes else "-"
+    text = format_size(r.min_capacity_bytes)
+    return text if r.min_capacity_exact else text + " (upper bound)"
+
+
+def _format_seconds(seconds):
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.0f} us"
