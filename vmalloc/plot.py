@@ -1,0 +1,76 @@
+"""Plots of replay results: requested and reserved bytes over a trace, per allocator.
+
+The plot the fragmentation study is about (the paper's Figure 3, for your own trace): one
+panel per trace, the event index across, GiB up; the bytes the trace asked for (the same for
+every allocator) and the bytes each allocator reserved. The gap between the two is the waste.
+Uses matplotlib's Agg canvas directly, so no display and no global backend are needed.
+"""
+
+from collections import OrderedDict
+
+__all__ = ["plot_results"]
+
+GiB = float(1 << 30)
+
+# One colour per allocator, the same in every panel.
+_COLORS = {"caching": "#d62728", "virtual": "#1f77b4"}
+_OTHER_COLORS = ["#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
+
+
+def plot_results(results, path, title=None, dpi=110):
+    """Writes a PNG of ``results`` (:class:`vmalloc.replay.ReplayResult` with timelines) to
+    ``path``: one panel per trace, requested bytes in black and each allocator's reserved
+    bytes in colour, the utilization of each in the legend and the panel title. Returns
+    ``path``."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    by_trace = OrderedDict()
+    for result in results:
+        if result.timeline is None:
+            raise ValueError(f"result for {result.trace}/{result.allocator} has no timeline")
+        by_trace.setdefault(result.trace, []).append(result)
+    if not by_trace:
+        raise ValueError("nothing to plot: no results")
+
+    figure = Figure(figsize=(10, 3.6 * len(by_trace)), dpi=dpi, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(len(by_trace), 1, squeeze=False)[:, 0]
+    spare = iter(_OTHER_COLORS)
+    colors = {}
+    for ax, (trace, group) in zip(axes, by_trace.items()):
+        # Requested bytes are the trace's, whatever the allocator: draw the longest run's.
+        longest = max(group, key=lambda r: r.events)
+        t = longest.timeline
+        ax.step(t.events, t.requested_bytes / GiB, where="post", color="black", lw=1.2,
+                label=f"requested (peak {longest.peak_requested_bytes / GiB:.2f} GiB)")
+        parts = []
+        for result in group:
+            name = result.allocator
+            if name not in colors:
+                colors[name] = _COLORS.get(name) or next(spare, "#7f7f7f")
+            t = result.timeline
+            label = (f"reserved: {name} (peak {result.peak_reserved_bytes / GiB:.2f} GiB, "
+                     f"utilization {result.utilization:.2f})")
+            if result.min_capacity_bytes:
+                label += f", runs in {result.min_capacity_bytes / GiB:.2f} GiB"
+            if result.out_of_memory_event is not None:
+                label += f", out of memory at event {result.out_of_memory_event:,}"
+                ax.axvline(result.out_of_memory_event, color=colors[name], ls=":", lw=1)
+            ax.step(t.events, t.reserved_bytes / GiB, where="post", color=colors[name], lw=1.6,
+                    label=label)
+            parts.append(f"{name} {result.utilization:.2f}")
+            if result.capacity_bytes:
+                ax.axhline(result.capacity_bytes / GiB, color="gray", ls="--", lw=0.8)
+        ax.set_title(f"{trace}: utilization (peak requested / peak reserved) "
+                     + ", ".join(parts), fontsize=10)
+        ax.set_xlabel("event index")
+        ax.set_ylabel("GiB")
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
+    if title:
+        figure.suptitle(title)
+    figure.savefig(path, format="png")
+    return path
