@@ -213,6 +213,7 @@ device_ptr CachingAllocator::allocate(std::size_t nbytes, stream_t stream) {
 }
 
 void CachingAllocator::process_events() {
+  if (pending_.blocks_waiting() == 0) return;  // the common single-stream case
   pending_.collect_completed([this](Block* b) { return_to_pool(b); });
 }
 
