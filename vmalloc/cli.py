@@ -1,0 +1,259 @@
+"""The ``vmalloc`` command line.
+
+``vmalloc replay`` replays allocator traces through vmalloc's allocators on an emulated device
+and reports peaks, utilization, driver calls and the smallest capacity that runs the trace;
+``vmalloc stress`` does the same for generated patterns that break best-fit caching;
+``vmalloc bench`` runs the benchmarks; ``vmalloc convert`` converts a trace to another format.
+Errors print one line on stderr and exit with status 2.
+"""
+
+import argparse
+import importlib.util
+import json
+import sys
+
+from vmalloc.errors import VmallocError
+
+__all__ = ["main"]
+
+EXIT_ERROR = 2
+
+
+class _CliError(Exception):
+    """A user error already phrased for the command line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors, like every other error of the command line."""
+
+    def error(self, message):
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _size(text):
+    # argparse calls this; a bad size becomes argparse's own one-line usage error (exit 2).
+    from vmalloc.sizes import parse_size
+
+    try:
+        return parse_size(text)
+    except VmallocError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _allocator_names(text):
+    from vmalloc.replay import ALLOCATOR_KINDS
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for n in names:
+        if n not in ALLOCATOR_KINDS:
+            raise argparse.ArgumentTypeError(
+                f"unknown allocator {n!r}; choose from {', '.join(ALLOCATOR_KINDS)}")
+    return names
+
+
+def _add_run_options(p):
+    p.add_argument("--allocator", "-a", dest="allocators", action="append",
+                   type=_allocator_names, metavar="{caching,virtual}",
+                   help="allocator to replay through; repeat (or separate with commas) for "
+                        "several; default: caching and virtual")
+    p.add_argument("--capacity", type=_size, metavar="SIZE",
+                   help="device capacity such as 16GiB; a run stops at its first "
+                        "out-of-memory and reports the event (default: unlimited)")
+    p.add_argument("--granularity", type=_size, metavar="SIZE",
+                   help="device allocation granularity (default 2MiB, as current GPUs)")
+    p.add_argument("--chunk-size", type=_size, metavar="SIZE",
+                   help="physical chunk size of the virtual allocator")
+    p.add_argument("--max-split-size", type=_size, metavar="SIZE",
+                   help="the caching allocator's max_split_size (as PyTorch's)")
+    p.add_argument("--policy", choices=("pytorch", "nnabla", "cupy"),
+                   help="the caching allocator's policy preset (default pytorch)")
+    p.add_argument("--json", action="store_true",
+                   help="print a JSON list of results instead of a table")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="write a PNG of requested and reserved bytes over each trace")
+    p.add_argument("--no-min-capacity", dest="min_capacity", action="store_false",
+                   help="skip the search for the smallest capacity that runs the trace")
+    p.add_argument("--max-probes", type=int, default=None, metavar="N",
+                   help="replays the minimum-capacity search may make per allocator "
+                        "(default 32)")
+
+
+def _parser():
+    parser = _Parser(
+        prog="vmalloc",
+        description="vmalloc: a virtual-addressing GPU memory allocator. Replay allocator "
+                    "traces without a GPU to see whether virtual addressing removes your "
+                    "fragmentation.")
+    from vmalloc import __version__
+
+    parser.add_argument("--version", action="version", version=f"vmalloc {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser(
+        "replay", help="replay allocator traces through the allocators",
+        description="Replay allocator traces (PyTorch memory snapshots, RMM logs, ...) "
+                    "through the caching and the virtual allocator on an emulated device. "
+                    "With no TRACE, the traces shipped with vmalloc.")
+    p.add_argument("traces", nargs="*", metavar="TRACE", help="trace files")
+    p.add_argument("--format", help="trace format (default: detected from the file)")
+    p.add_argument("--device", type=int, default=0,
+                   help="the device whose events to replay, for traces of several (default 0)")
+    p.add_argument("--before-window", choices=("drop", "live"), default="drop",
+                   help="memory a snapshot shows live before its window: drop its frees "
+                        "(default) or allocate it at the start")
+    _add_run_options(p)
+
+    from vmalloc.stress import PATTERNS
+
+    p = sub.add_parser(
+        "stress", help="replay generated patterns that break best-fit caching",
+        description="Replay generated allocation patterns (the out-of-core swap pattern, "
+                    "growing sizes, random sizes with long-lived survivors) through the "
+                    "allocators. With no PATTERN, all of them.")
+    p.add_argument("patterns", nargs="*", metavar="PATTERN",
+                   help=f"one of: {', '.join(PATTERNS)}")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the patterns (0)")
+    _add_run_options(p)
+
+    sub.add_parser("bench", add_help=False, help="run the benchmarks (vmalloc bench --help)")
+
+    p = sub.add_parser("convert", help="convert a trace to another format",
+                       description="Convert a trace file; the formats are those of "
+                                   "vmalloc.traces (the destination's from its name).")
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST")
+    p.add_argument("--format", help="format of SRC (default: detected)")
+    p.add_argument("--device", type=int, default=0,
+                   help="the device whose events to keep (default 0)")
+    return parser
+
+
+def _flatten(lists):
+    if not lists:
+        return None
+    return list(dict.fromkeys(n for names in lists for n in names))
+
+
+def _report(results, args):
+    from vmalloc.replay import format_table
+
+    if args.json:
+        json.dump([r.to_dict() for r in results], sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(format_table(results))
+    if args.plot:
+        from vmalloc.plot import plot_results
+
+        plot_results(results, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+
+
+def _run(sources, args):
+    """Replays each (source, name) through the chosen allocators; returns the results."""
+    from vmalloc.replay import ALLOCATOR_KINDS, MAX_PROBES, replay
+
+    allocators = _flatten(args.allocators) or list(ALLOCATOR_KINDS)
+    max_probes = MAX_PROBES if args.max_probes is None else args.max_probes
+    if max_probes < 1:
+        raise _CliError(f"--max-probes must be at least 1, got {max_probes}")
+    progress = sys.stderr.isatty() and not args.json
+    results = []
+    for source in sources:
+        results += replay(source, allocators, capacity=args.capacity,
+                          granularity=args.granularity, chunk_size=args.chunk_size,
+                          max_split_size=args.max_split_size, policy=args.policy,
+                          min_capacity=args.min_capacity, max_probes=max_probes,
+                          progress=progress)
+    return results
+
+
+def _replay_command(args):
+    from vmalloc.replay import TraceSource
+    from vmalloc.traces import builtin_traces
+
+    if args.traces:
+        named = [(t, None) for t in args.traces]
+    else:
+        named = [(path, name) for name, path in sorted(builtin_traces().items())]
+        if not named:
+            raise _CliError("no TRACE given and no built-in trace is installed")
+    sources = [TraceSource(t, name=name, format=args.format, device=args.device,
+                           before_window=args.before_window) for t, name in named]
+    _report(_run(sources, args), args)
+    return 0
+
+
+def _stress_command(args):
+    from vmalloc.replay import TraceSource
+    from vmalloc.stress import PATTERNS, generate
+
+    names = args.patterns or list(PATTERNS)
+    for n in names:
+        if n not in PATTERNS:
+            raise _CliError(f"unknown stress pattern {n!r}; choose from {', '.join(PATTERNS)}")
+    sources = [TraceSource(generate(n, seed=args.seed), name=n) for n in names]
+    _report(_run(sources, args), args)
+    return 0
+
+
+def _bench_command(argv):
+    if importlib.util.find_spec("vmalloc.bench") is None:
+        raise _CliError("the benchmarks (module vmalloc.bench) are not part of this "
+                        "installation")
+    from vmalloc import bench
+
+    code = bench.main(argv)
+    return 0 if code is None else int(code)
+
+
+def _convert_command(args):
+    try:
+        from vmalloc.traces import convert
+    except ImportError:
+        raise _CliError("trace conversion (vmalloc.traces.convert) is not part of this "
+                        "installation") from None
+    convert(args.src, args.dst, format=args.format, device=args.device)
+    print(f"{args.src} -> {args.dst}", file=sys.stderr)
+    return 0
+
+
+def _user_errors():
+    """The exception types that are the user's input, not a bug: one line, exit 2."""
+    errors = [VmallocError, OSError, _CliError]
+    try:
+        from vmalloc.traces import TraceFormatError
+
+        errors.append(TraceFormatError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def main(argv=None):
+    """Runs the command line with ``argv`` (default ``sys.argv[1:]``); returns the exit
+    status: 0 on success, 2 on a usage or input error (one line on stderr)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv else None
+    try:
+        if command == "bench":
+            # Everything after "bench" is the benchmark's own command line.
+            return _bench_command(argv[1:])
+        args = _parser().parse_args(argv)
+        if args.command == "replay":
+            return _replay_command(args)
+        if args.command == "stress":
+            return _stress_command(args)
+        return _convert_command(args)
+    except SystemExit as exit:  # argparse: --help (0) or a usage error (2)
+        return exit.code if isinstance(exit.code, int) else EXIT_ERROR
+    except KeyboardInterrupt:
+        print("vmalloc: interrupted", file=sys.stderr)
+        return 130
+    except _user_errors() as error:
+        message = str(error) or type(error).__name__
+        if isinstance(error, OSError) and error.filename and error.strerror:
+            message = f"{error.strerror}: {error.filename}"
+        print(f"vmalloc {command or ''}: error: {message}".replace("  ", " "), file=sys.stderr)
+        return EXIT_ERROR
