@@ -399,10 +399,13 @@ void CachingAllocator::record_stream(device_ptr ptr, stream_t stream) {
   if (it == live_.end())
     throw InvalidPointer("CachingAllocator.record_stream: " + describe_unknown(ptr));
   Block* block = it->second;
-  if (stream != block->stream &&
-      std::find(block->stream_uses.begin(), block->stream_uses.end(), stream) ==
+  if (stream == block->stream ||
+      std::find(block->stream_uses.begin(), block->stream_uses.end(), stream) !=
           block->stream_uses.end())
-    block->stream_uses.push_back(stream);
+    return;
+  // Refuse an unknown stream now: found only at free time, it would make the block unfreeable.
+  pending_.check_stream(stream);
+  block->stream_uses.push_back(stream);
 }
 
 std::string CachingAllocator::describe_unknown(device_ptr ptr) const {

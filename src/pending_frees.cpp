@@ -28,6 +28,17 @@ event_t PendingFrees::acquire_event() {
   return e;
 }
 
+void PendingFrees::check_stream(stream_t stream) {
+  event_t e = acquire_event();
+  try {
+    device_.record_event(e, stream);
+  } catch (...) {
+    idle_.push_back(e);
+    throw;
+  }
+  idle_.push_back(e);
+}
+
 void PendingFrees::record(CachingBlock* block, const std::vector<stream_t>& streams) {
   std::vector<event_t> events;
   events.reserve(streams.size());

@@ -481,13 +481,19 @@ def test_record_stream_delays_reuse_until_that_stream_catches_up():
     ca.record_stream(p, s1)
     ca.record_stream(p, s2)
     ca.record_stream(p, 0)      # the allocation stream itself needs no event
+    assert device.counters()["event_record"] == 2   # each new stream checked once
+    ca.record_stream(p, s1)     # already recorded: no call
     ca.deallocate(p)            # freed on the allocation stream, used by s1 and s2
     assert layout(ca)[0][2] == [(12 * MiB, "waiting")]
-    assert device.counters()["event_record"] == 2
+    assert device.counters()["event_record"] == 4
     device.synchronize()
     assert ca.allocate(12 * MiB) == p
     with pytest.raises(vmalloc.InvalidPointerError):
         ca.record_stream(p + 512, s1)
+    with pytest.raises(vmalloc.DeviceError):
+        ca.record_stream(p, 987654321)    # refused now, so the free below still works
+    ca.deallocate(p)
+    assert ca.stats().live_allocations == 0
 
 
 def test_reuse_never_overtakes_work_queued_on_the_freeing_stream():

@@ -169,7 +169,9 @@ cdef class CachingAllocator(Allocator):
         """PyTorch's ``Tensor.record_stream``: the live allocation at ``ptr`` is also used by
         work on ``stream``. When it is freed, it returns to its pool only once the work
         queued on ``stream`` before the free has completed. Raises
-        :class:`vmalloc.InvalidPointerError` for a pointer that is not live."""
+        :class:`vmalloc.InvalidPointerError` for a pointer that is not live and
+        :class:`vmalloc.DeviceError` for an unknown stream (checked at once, by recording an
+        event on it, so that the free cannot fail later)."""
         self.caching().record_stream(ptr, stream_handle(stream))
 
     def round_size(self, nbytes):

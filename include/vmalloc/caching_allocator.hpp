@@ -118,7 +118,8 @@ class CachingAllocator final : public Allocator {
 
   // PyTorch's recordStream: the live allocation at ptr is also used by work on `stream`, so
   // when it is freed it returns to its pool only after that stream's work queued before the
-  // free has completed. Throws InvalidPointer for a pointer that is not live.
+  // free has completed. Throws InvalidPointer for a pointer that is not live, DeviceError for
+  // an unknown stream (checked by recording an event on it: one event_record call).
   void record_stream(device_ptr ptr, stream_t stream);
 
   CachingSegmentStats segment_stats() const;

@@ -29,6 +29,10 @@ class PendingFrees {
   // DeviceError (e.g. an unknown stream) with nothing recorded and the block untouched.
   void record(CachingBlock* block, const std::vector<stream_t>& streams);
 
+  // Throws DeviceError if `stream` is not a stream of the device: records an idle event on
+  // it (the device has no cheaper way to ask).
+  void check_stream(stream_t stream);
+
   // Calls on_free(block) for each block whose last event has completed, without blocking.
   // Per stream, events complete in order, so each stream's queue is checked only up to its
   // first incomplete event. A device error stops the walk; blocks already handed to on_free
