@@ -87,6 +87,11 @@ CachingAllocator::CachingAllocator(std::shared_ptr<Device> device,
                             bytes(options_.max_non_split_rounding_size) +
                             " is below 20 MiB (kLargeBuffer), PyTorch's minimum");
   }
+  if (options_.max_non_split_rounding_size > max_request_bytes ||
+      (options_.max_split_size != CachingAllocatorOptions::unlimited &&
+       options_.max_split_size > max_request_bytes))
+    throw InvalidArgument("CachingAllocator: max_split_size and max_non_split_rounding_size "
+                          "must not exceed vmalloc's limit of 2**56 bytes");
   if (options_.budget > max_request_bytes)
     throw InvalidArgument("CachingAllocator: budget " + bytes(options_.budget) +
                           " is larger than vmalloc's limit of 2**56 bytes");
