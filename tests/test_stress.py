@@ -160,3 +160,15 @@ def test_virtual_allocator_needs_exactly_the_live_chunks_with_bigger_chunks():
     assert exact
     # Capacity is searched in granules (2 MiB); the need is a whole number of 8 MiB chunks.
     assert capacity == expected["peak_chunked_bytes"]
+
+
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+def test_scale_repeats_a_pattern_with_its_own_peaks(pattern):
+    once, thrice = generate(pattern, seed=4), generate(pattern, seed=4, scale=3)
+    assert len(thrice) == 3 * len(once)
+    assert np.array_equal(thrice["size"][: len(once)], once["size"])
+    allocated = thrice["addr"][thrice["op"] == ALLOC]
+    assert len(np.unique(allocated)) == len(allocated)  # every repetition has its own addresses
+    assert trace_peaks(thrice) == trace_peaks(once)
+    with pytest.raises(vmalloc.InvalidArgumentError, match="scale"):
+        generate(pattern, scale=0)

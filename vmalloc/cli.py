@@ -114,6 +114,9 @@ def _parser():
     p.add_argument("patterns", nargs="*", metavar="PATTERN",
                    help=f"one of: {', '.join(PATTERNS)}")
     p.add_argument("--seed", type=int, default=0, help="random seed of the patterns (0)")
+    p.add_argument("--scale", type=int, default=1, metavar="K",
+                   help="repeat each pattern K times (default 1), e.g. to measure replay "
+                        "speed on millions of events")
     _add_run_options(p)
 
     sub.add_parser("bench", add_help=False, help="run the benchmarks (vmalloc bench --help)")
@@ -193,7 +196,8 @@ def _stress_command(args):
     for n in names:
         if n not in PATTERNS:
             raise _CliError(f"unknown stress pattern {n!r}; choose from {', '.join(PATTERNS)}")
-    sources = [TraceSource(generate(n, seed=args.seed), name=n) for n in names]
+    sources = [TraceSource(generate(n, seed=args.seed, scale=args.scale), name=n)
+               for n in names]
     _report(_run(sources, args), args)
     return 0
 

@@ -287,7 +287,8 @@ class _Progress:
     """A one-line progress bar on stderr, redrawn at most five times a second."""
 
     def __init__(self, label, total, stream):
-        self.label, self.total, self.stream = label, total, stream
+        self.label = label if len(label) <= 60 else label[:57] + "..."
+        self.total, self.stream = total, stream
         self.last = 0.0
 
     def update(self, done, force=False):
@@ -297,8 +298,8 @@ class _Progress:
         self.last = now
         if self.total:
             frac = min(1.0, done / self.total)
-            bar = "#" * int(frac * 30)
-            text = f"{self.label} [{bar:<30}] {frac:6.1%} {done:,}/{self.total:,} events"
+            bar = "#" * int(frac * 20)
+            text = f"{self.label} [{bar:<20}] {frac:6.1%} of {self.total:,} events"
         else:
             text = f"{self.label} {done:,} events"
         self.stream.write("\r" + text[:120])
@@ -333,8 +334,10 @@ def _run(source, kind, capacity, granularity, options, timeline_points, progress
     return engine, allocator, device, (time.perf_counter() - start, in_engine)
 
 
-def _passes(source, kind, capacity, granularity, options):
-    engine, _, _, _ = _run(source, kind, capacity, granularity, options, 0)
+def _passes(source, kind, capacity, granularity, options, label=None):
+    if label:
+        label = f"{label} probe at {format_size(capacity)}"
+    engine, _, _, _ = _run(source, kind, capacity, granularity, options, 0, label)
     return not engine.stopped
 
 
@@ -442,10 +445,14 @@ def min_capacity(trace, allocator="virtual", *, granularity=None, chunk_size=Non
     return _bisect(source, allocator, granularity, options, max_probes, reference)[:3]
 
 
-def _bisect(source, kind, granularity, options, max_probes, reference):
+def _bisect(source, kind, granularity, options, max_probes, reference, progress=False):
     probes = 0
+    label = None
+    if progress:
+        label = f"{source.name}: {kind if isinstance(kind, str) else 'allocator'} min capacity"
     if reference is None or not reference.completed or reference.capacity_bytes is not None:
-        engine, alloc, dev, _ = _run(source, kind, None, granularity, options, 0)
+        engine, alloc, dev, _ = _run(source, kind, None, granularity, options, 0,
+                                     label and f"{label} unlimited run")
         probes += 1
         stats = alloc.stats()
         peak_requested, peak_reserved = stats.peak_requested_bytes, stats.peak_reserved_bytes
@@ -465,13 +472,13 @@ def _bisect(source, kind, granularity, options, max_probes, reference):
             # Nothing tried ran the trace within the budget.
             return None, False, probes, peak_requested
         probes += 1
-        if _passes(source, kind, hi * g, granularity, options):
+        if _passes(source, kind, hi * g, granularity, options, label):
             break
         lo, hi = hi, hi * 2
     while hi - lo > 1 and probes < max_probes:
         mid = (lo + hi) // 2
         probes += 1
-        if _passes(source, kind, mid * g, granularity, options):
+        if _passes(source, kind, mid * g, granularity, options, label):
             hi = mid
         else:
             lo = mid
@@ -507,7 +514,7 @@ def replay(trace=None, allocators=ALLOCATOR_KINDS, *, capacity=None, granularity
         if min_capacity:
             capacity_bytes, exact, probes, peak_requested = _bisect(
                 source, kind, parse_size(granularity, "granularity", allow_none=True),
-                result.options, max_probes, result)
+                result.options, max_probes, result, progress)
             result.min_capacity_bytes = capacity_bytes
             if capacity_bytes:
                 result.min_capacity_utilization = peak_requested / capacity_bytes

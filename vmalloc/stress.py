@@ -185,14 +185,26 @@ PATTERNS = {
 }
 
 
-def generate(pattern, seed=0, **params):
-    """The events of stress pattern ``pattern`` (a key of :data:`PATTERNS`)."""
+def generate(pattern, seed=0, scale=1, **params):
+    """The events of stress pattern ``pattern`` (a key of :data:`PATTERNS`).
+
+    ``params`` are passed to the generator. ``scale`` repeats the pattern that many times
+    back to back (each repetition with addresses of its own; every pattern frees all it
+    allocated at its end), for long traces with the pattern's own peaks.
+    """
     try:
         generator = PATTERNS[pattern]
     except KeyError:
         raise InvalidArgumentError(
             f"unknown stress pattern {pattern!r}; choose from {', '.join(PATTERNS)}") from None
-    return generator(seed=seed, **params)
+    _check_positive(scale=scale)
+    events = generator(seed=seed, **params)
+    if scale == 1:
+        return events
+    out = np.tile(events, scale)
+    span = (int(events["addr"].max()) - _BASE_ADDRESS + 4096) if len(events) else 0
+    out["addr"] += np.repeat(np.arange(scale, dtype=np.uint64) * np.uint64(span), len(events))
+    return out
 
 
 def trace_peaks(events, chunk_size=None):
