@@ -17,6 +17,8 @@ def _cuda_emulator_device(**options):
     # The strict driver emulator stands in for libcuda.so.1 (see vmalloc.testing).
     from vmalloc import testing
 
+    if not options.pop("backed", True):
+        pytest.skip("the driver emulator always keeps real memory (backed=False is host-only)")
     return testing.emulated_cuda_device(**options)
 
 

@@ -1,0 +1,401 @@
+"""CudaDevice over the driver emulator: the real driver code path, run without a GPU.
+
+The device must behave as HostDevice does (the emulator enforces the same rules through the
+driver's C interface), name the driver call and CUresult of every failure, keep the primary
+context current around its calls from any thread, and leave nothing behind.
+"""
+
+import ctypes
+import os
+import subprocess
+import sys
+import threading
+from ctypes import byref, c_void_p
+from pathlib import Path
+
+import pytest
+
+import vmalloc
+from vmalloc import CudaDevice, DeviceError, OutOfMemoryError, testing
+from vmalloc.testing import driver_abi as abi
+
+MiB = 1 << 20
+G = 2 * MiB
+
+INVALID_VALUE = 1
+INVALID_DEVICE = 101
+INVALID_HANDLE = 400
+ILLEGAL_ADDRESS = 700
+
+
+@pytest.fixture
+def emu():
+    return testing.emulator()
+
+
+@pytest.fixture
+def dev(emu):
+    device = testing.emulated_cuda_device(capacity="64MiB", granularity="2MiB")
+    ordinal = device.ordinal
+    yield device
+    emu.clear_faults()
+    # Each test frees what it made (the device's destructor would, but must not need to).
+    state = emu.device_state(ordinal)
+    held = {k: state[k] for k in testing.RESOURCE_FIELDS if k != "primary_context_refs"}
+    assert not any(held.values()), emu.leak_report(ordinal)
+
+
+def mapped(dev, size=G):
+    handle = dev.create(size)
+    ptr = dev.reserve(2 * size)
+    dev.map(ptr, size, handle)
+    dev.set_access(ptr, size)
+    return ptr, handle
+
+
+def free_mapped(dev, ptr, handle, size=G):
+    dev.unmap(ptr, size)
+    dev.release(handle)
+    dev.free_address(ptr, 2 * size)
+
+
+# --- loading the driver ---------------------------------------------------------------------
+
+def test_import_does_not_load_a_driver(tmp_path):
+    code = ("import vmalloc; maps = open('/proc/self/maps').read(); "
+            "print('libcuda' in maps)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(Path(vmalloc.__file__).parent.parent), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, cwd=tmp_path, timeout=60)
+    assert proc.stdout.strip() == "False", proc.stderr
+
+
+def test_missing_driver_is_a_clear_device_error(tmp_path):
+    missing = str(tmp_path / "libcuda.so.1")
+    with pytest.raises(DeviceError) as info:
+        CudaDevice(library=missing)
+    assert info.value.call == "dlopen"
+    assert info.value.code == 100  # CUDA_ERROR_NO_DEVICE
+    assert missing in str(info.value) and "VMALLOC_LIBCUDA" in str(info.value)
+
+
+def test_library_without_the_entry_points():
+    with pytest.raises(DeviceError) as info:
+        CudaDevice(library="libm.so.6")
+    assert info.value.call == "dlsym"
+    assert info.value.code == 500  # CUDA_ERROR_NOT_FOUND
+    assert "does not export cuInit" in str(info.value)
+
+
+def test_default_library_follows_the_environment(monkeypatch):
+    monkeypatch.setenv("VMALLOC_LIBCUDA", "/opt/somewhere/libcuda.so.1")
+    assert CudaDevice.default_library() == "/opt/somewhere/libcuda.so.1"
+    monkeypatch.delenv("VMALLOC_LIBCUDA")
+    assert CudaDevice.default_library() == "libcuda.so.1"
+
+
+# --- properties -----------------------------------------------------------------------------
+
+def test_properties(dev, emu):
+    assert dev.name == f"cuda:{dev.ordinal}"
+    assert dev.granularity == G and dev.recommended_granularity == G
+    assert dev.capacity == 64 * MiB
+    assert dev.backed is True
+    assert dev.physical_bytes_in_use == 0
+    assert dev.library == testing.emulated_driver_path() == emu.path
+    assert dev.driver_version == 12040
+    assert dev.device_name == f"vmalloc emulated GPU {dev.ordinal}"
+    assert isinstance(dev.context, int) and dev.context != 0
+    assert emu.device_state(dev.ordinal)["primary_context_refs"] == 1
+
+
+def test_granularity_comes_from_the_driver(emu):
+    dev = testing.emulated_cuda_device(capacity="16MiB", granularity="64KiB")
+    assert (dev.granularity, dev.capacity) == (64 * 1024, 16 * MiB)
+    h = dev.create(64 * 1024)
+    dev.release(h)
+
+
+def test_bad_ordinal_retains_nothing(emu):
+    before = [emu.device_state(i)["primary_context_refs"] for i in range(emu.device_count())]
+    with pytest.raises(DeviceError) as info:
+        CudaDevice(emu.device_count(), library=emu.path)
+    assert (info.value.call, info.value.code) == ("cuDeviceGet", INVALID_DEVICE)
+    assert "does not exist" in str(info.value)
+    after = [emu.device_state(i)["primary_context_refs"] for i in range(emu.device_count())]
+    assert after == before
+
+
+def test_a_failure_during_construction_releases_the_context(emu):
+    ordinal = testing.emulated_cuda_device().ordinal  # the device of a fresh ordinal, freed
+    emu.set_fault("cuMemGetAllocationGranularity", 2, INVALID_VALUE)
+    with pytest.raises(DeviceError) as info:
+        CudaDevice(ordinal, library=emu.path)
+    emu.clear_faults()
+    assert info.value.call == "cuMemGetAllocationGranularity"
+    assert "RECOMMENDED" in str(info.value) and "injected fault" in str(info.value)
+    assert emu.idle(ordinal)
+
+
+# --- the driver calls -----------------------------------------------------------------------
+
+def test_write_read_remap_and_release_while_mapped(dev):
+    ptr, handle = mapped(dev)
+    dev.write(ptr + 10, b"through the driver")
+    assert dev.read(ptr + 10, 18) == b"through the driver"
+    # Remap the same allocation elsewhere: the bytes move with it, access must be set again.
+    dev.unmap(ptr, G)
+    other = dev.reserve(G)
+    dev.map(other, G, handle)
+    with pytest.raises(DeviceError) as info:
+        dev.read(other, 4)
+    assert (info.value.call, info.value.code) == ("cuMemcpyDtoHAsync", ILLEGAL_ADDRESS)
+    dev.set_access(other, G)
+    assert dev.read(other + 10, 18) == b"through the driver"
+    # Released while mapped: still readable, counted until unmapped.
+    dev.release(handle)
+    assert dev.physical_bytes_in_use == G
+    assert dev.read(other + 10, 7) == b"through"
+    dev.unmap(other, G)
+    assert dev.physical_bytes_in_use == 0
+    dev.free_address(other, G)
+    dev.free_address(ptr, 2 * G)
+
+
+def test_counters_count_every_call_failed_ones_too(dev):
+    dev.reset_counters()
+    ptr, handle = mapped(dev)
+    with pytest.raises(DeviceError):
+        dev.map(ptr, G, handle)  # already mapped
+    dev.write(ptr, b"abc")
+    free_mapped(dev, ptr, handle)
+    counters = dev.counters()
+    expected = {"create": 1, "reserve": 1, "map": 2, "set_access": 1, "unmap": 1,
+                "release": 1, "free_address": 1, "copy_to_device": 1, "stream_synchronize": 1}
+    for name, value in expected.items():
+        assert counters[name] == value, name
+    assert counters["memory_management_calls"] == 8
+    assert counters["bytes_to_device"] == 3
+    model = dev.cost_model()
+    assert counters["modeled_seconds"] == pytest.approx(
+        sum(model[name] * value for name, value in expected.items()))
+
+
+def test_errors_name_the_call_the_code_and_the_rule(dev):
+    handle = dev.create(G)
+    ptr = dev.reserve(4 * G)
+    with pytest.raises(DeviceError) as info:
+        dev.map(ptr + 4096, G, handle)
+    error = info.value
+    assert (error.call, error.code, error.code_name) == ("cuMemMap", 1, "CUDA_ERROR_INVALID_VALUE")
+    message = str(error)
+    assert message.startswith(f"cuMemMap(ptr={ptr + 4096:#x}, size={G}, offset=0, handle=")
+    assert f"failed on {dev.name}: CUDA_ERROR_INVALID_VALUE (invalid argument)" in message
+    assert "[driver emulator: cuMemMap on host:" in message
+    assert "multiples of the granularity" in message
+    dev.release(handle)
+    dev.free_address(ptr, 4 * G)
+
+
+def test_out_of_memory_raises_out_of_memory_error_and_recovers(dev):
+    handles = [dev.create(16 * MiB) for _ in range(4)]
+    with pytest.raises(OutOfMemoryError) as info:
+        dev.create(G)
+    assert info.value.requested_bytes == G
+    assert "cuMemCreate(size=2097152) failed" in str(info.value)
+    assert "CUDA_ERROR_OUT_OF_MEMORY" in str(info.value)
+    assert dev.physical_bytes_in_use == 64 * MiB
+    dev.release(handles.pop())
+    handles.append(dev.create(G))
+    for h in handles:
+        dev.release(h)
+
+
+def test_what_the_driver_leaves_undefined_is_refused_before_calling_it(dev, emu):
+    calls = {name: emu.call_count(name) for name in ("cuMemRelease", "cuStreamDestroy",
+                                                     "cuEventDestroy", "cuMemFreeHost")}
+    with pytest.raises(DeviceError, match="not a live physical allocation") as info:
+        dev.release(12345)
+    assert info.value.code == INVALID_VALUE
+    handle = dev.create(G)
+    dev.release(handle)
+    with pytest.raises(DeviceError, match="already released"):
+        dev.release(handle)
+    with pytest.raises(DeviceError, match="not a stream created by this device") as info:
+        dev.destroy_stream(0)
+    assert info.value.code == INVALID_HANDLE
+    with pytest.raises(DeviceError, match="not an event created by this device"):
+        dev.destroy_event(0x1234)
+    with pytest.raises(DeviceError, match="not pinned host memory allocated by this device"):
+        dev.host_free(0x1000)
+    calls["cuMemRelease"] += 1  # the one real release
+    assert calls == {name: emu.call_count(name) for name in calls}
+
+
+def test_streams_events_and_copies(dev):
+    ptr, handle = mapped(dev, 4 * G)
+    s1, s2 = dev.create_stream(), dev.create_stream()
+    assert isinstance(s1, int) and s1 != s2 and s1 != 0
+    event = dev.create_event()
+    assert dev.query_event(event)  # never recorded
+    host = dev.host_alloc(4 * MiB)
+    ctypes.memmove(host, b"x" * 64, 64)
+    # Order on s1, then make s2 wait for it: the DtoD copy on s2 sees s1's data.
+    dev.copy_to_device(ptr, host, 4 * MiB, s1)
+    dev.record_event(event, s1)
+    dev.wait_event(s2, event)
+    dev.copy_device(ptr + 4 * MiB, ptr, 64, s2)
+    dev.synchronize_stream(s2)
+    dev.synchronize_event(event)
+    assert dev.query_event(event)
+    assert dev.read(ptr + 4 * MiB, 64) == b"x" * 64
+    out = ctypes.create_string_buffer(64)
+    dev.copy_to_host(ctypes.addressof(out), ptr + 4 * MiB, 64, s1)
+    dev.synchronize()
+    assert out.raw == b"x" * 64
+    dev.host_free(host)
+    dev.destroy_event(event)
+    dev.destroy_stream(s1)
+    dev.destroy_stream(s2)
+    dev.unmap(ptr, 4 * G)
+    dev.release(handle)
+    dev.free_address(ptr, 8 * G)
+
+
+class FakeCupyStream:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class FakeTorchStream:
+    def __init__(self, handle):
+        self.cuda_stream = handle
+
+
+def test_framework_streams_pass_straight_through(dev):
+    ptr, handle = mapped(dev)
+    stream = dev.create_stream()
+    dev.write(ptr, b"cupy", stream=FakeCupyStream(stream))
+    assert dev.read(ptr, 4, stream=FakeTorchStream(stream)) == b"cupy"
+    dev.synchronize_stream(FakeCupyStream(stream))
+    dev.destroy_stream(FakeTorchStream(stream))
+    free_mapped(dev, ptr, handle)
+
+
+def test_calls_from_any_thread_make_the_context_current_and_restore(dev, emu):
+    cu = abi.bind(emu.lib)
+    seen = {}
+
+    def worker():
+        current = c_void_p()
+        cu.cuCtxGetCurrent(byref(current))
+        seen["before"] = current.value
+        ptr, handle = mapped(dev)  # this thread had no context: the device pushes its own
+        dev.write(ptr, b"thread")
+        seen["data"] = dev.read(ptr, 6)
+        free_mapped(dev, ptr, handle)
+        cu.cuCtxGetCurrent(byref(current))
+        seen["after"] = current.value
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {"before": None, "data": b"thread", "after": None}
+
+
+def test_a_failing_context_push_fails_the_call_cleanly(dev, emu):
+    before = emu.device_state(dev.ordinal)
+    with emu.fault("cuCtxPushCurrent", code="CUDA_ERROR_INVALID_CONTEXT"):
+        with pytest.raises(DeviceError) as info:
+            dev.create(G)
+    assert info.value.call == "cuCtxPushCurrent"
+    assert emu.device_state(dev.ordinal) == before
+    assert dev.physical_bytes_in_use == 0
+
+
+def test_destroying_the_device_frees_what_it_still_owns(emu):
+    dev = testing.emulated_cuda_device(capacity="64MiB")
+    ordinal = dev.ordinal
+    mapped(dev)
+    dev.create(G)
+    dev.reserve(G)
+    dev.create_stream()
+    dev.create_event()
+    dev.host_alloc(4096)
+    state = emu.device_state(ordinal)
+    assert (state["handles"], state["reservations"], state["mappings"], state["streams"],
+            state["events"], state["host_allocations"]) == (2, 2, 1, 1, 1, 1)
+    del dev
+    assert emu.leak_report(ordinal) == ""
+    assert emu.idle(ordinal)
+
+
+def test_two_devices(emu):
+    a = testing.emulated_cuda_device(capacity="8MiB", devices=2)
+    b = testing.emulated_cuda_device(capacity="16MiB")
+    assert a.ordinal != b.ordinal
+    assert (a.capacity, b.capacity) == (8 * MiB, 16 * MiB)
+    assert (a.name, b.name) == (f"cuda:{a.ordinal}", f"cuda:{b.ordinal}")
+    pa, ha = mapped(a)
+    pb, hb = mapped(b)
+    a.write(pa, b"on a")
+    b.write(pb, b"on b")
+    assert (a.read(pa, 4), b.read(pb, 4)) == (b"on a", b"on b")
+    assert emu.device_state(a.ordinal)["bytes_created"] == G
+    assert emu.device_state(b.ordinal)["bytes_created"] == G
+    with pytest.raises(DeviceError) as info:
+        a.map(pa + G, G, hb)  # b's handle is not a's
+    assert info.value.code == 801  # CUDA_ERROR_NOT_SUPPORTED: not emulated across devices
+    free_mapped(a, pa, ha)
+    free_mapped(b, pb, hb)
+
+
+def test_explicit_busy_ordinal_cannot_change_size(dev):
+    same = testing.emulated_cuda_device(ordinal=dev.ordinal)  # shares the emulated GPU
+    assert same.capacity == dev.capacity
+    with pytest.raises(DeviceError, match="is in use"):
+        testing.emulated_cuda_device(capacity="8MiB", ordinal=dev.ordinal)
+    del same
+
+
+# --- the same behaviour as HostDevice -------------------------------------------------------
+
+def test_same_refusals_as_host_device(dev):
+    host = vmalloc.HostDevice(capacity="64MiB")
+    results = []
+    for device in (host, dev):
+        handle, big = device.create(G), device.create(2 * G)
+        ptr = device.reserve(4 * G)
+        device.map(ptr, G, handle)
+        attempts = [
+            lambda: device.create(G + 4096),
+            lambda: device.reserve(G, alignment=3 * MiB),
+            lambda: device.map(ptr, G, handle),
+            lambda: device.map(ptr + 3 * G, 2 * G, big),
+            lambda: device.unmap(ptr + 4096, G),
+            lambda: device.set_access(ptr, 2 * G),
+            lambda: device.free_address(ptr, 4 * G),
+            lambda: device.read(ptr, 1),
+            lambda: device.create(128 * MiB),
+        ]
+        codes = []
+        for attempt in attempts:
+            try:
+                attempt()
+                codes.append(None)
+            except DeviceError as e:
+                codes.append((e.call, e.code))
+            except OutOfMemoryError:
+                codes.append("oom")
+        results.append(codes)
+        device.unmap(ptr, G)
+        device.release(handle)
+        device.release(big)
+        device.free_address(ptr, 4 * G)
+    assert results[0] == results[1]
+    assert results[0][0] == ("cuMemCreate", INVALID_VALUE)
+    assert results[0][-2] == ("cuMemcpyDtoHAsync", ILLEGAL_ADDRESS)
+    assert results[0][-1] == "oom"
