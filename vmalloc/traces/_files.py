@@ -3,6 +3,7 @@ often saved as ``.json.gz``), text is strict UTF-8."""
 
 import gzip
 import io
+import zlib
 
 GZIP_MAGIC = b"\x1f\x8b"
 
@@ -24,7 +25,7 @@ def head(path, n=4096):
     with open_binary(path) as f:
         try:
             return f.read(n)
-        except (OSError, EOFError, gzip.BadGzipFile):
+        except (OSError, EOFError, zlib.error):  # corrupt: let the reader say why
             return b""
 
 

@@ -95,6 +95,8 @@ class JsonEventScanner:
                 raise self._error(f"invalid JSON: {error.msg}", error.pos) from None
             except RecursionError:
                 raise self._error("invalid JSON: nested too deeply") from None
+            except ValueError as error:  # e.g. an integer beyond Python's digit limit
+                raise self._error(f"invalid JSON: {error}") from None
             if end == len(self._buf) and not isinstance(value, (dict, list, str)) and self._fill():
                 continue  # a number or literal may continue in the next chunk
             self._pos = end

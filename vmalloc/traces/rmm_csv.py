@@ -10,6 +10,7 @@ is streamed line by line; one log holds one device's resource, so ``device`` is 
 """
 
 import csv
+import re
 import zlib
 
 from vmalloc.errors import TraceFormatError
@@ -23,22 +24,23 @@ _ACTIONS = {"allocate": ALLOC, "free": FREE, "deallocate": FREE}
 _SKIPPED_ACTIONS = ("allocate failure",)
 
 
+_HEX = re.compile(r"(?:0[xX])?([0-9a-fA-F]{1,16})")
+_DECIMAL = re.compile(r"[0-9]{1,20}")
+
+
 def _hex(text, what, path, line):
-    t = text.strip().lower()
-    if t in ("(nil)", "nil", "null", "nullptr"):
+    t = text.strip()
+    if t.lower() in ("(nil)", "nil", "null", "nullptr"):
         return 0
-    try:
-        value = int(t, 16)  # int() accepts an optional 0x prefix with base 16
-    except ValueError:
-        value = -1
-    if not 0 <= value <= U64_MAX or t.startswith(("-", "+")):
+    match = _HEX.fullmatch(t)
+    if match is None:
         raise TraceFormatError(f"{what} must be a hexadecimal address, got {text!r:.60}", path, line)
-    return value
+    return int(match.group(1), 16)
 
 
 def _size(text, path, line):
     t = text.strip()
-    if not t.isdigit() or not t.isascii():
+    if _DECIMAL.fullmatch(t) is None:
         raise TraceFormatError(f"Size must be a non-negative integer, got {text!r:.60}", path, line)
     value = int(t)
     if value > U64_MAX:
@@ -107,13 +109,13 @@ class RmmCsvReader:
                     stream = 0 if i_stream is None else _hex(row[i_stream], "Stream", path, line)
                     yield op, stream, addr, size
             except csv.Error as error:
-                raise TraceFormatError(f"malformed CSV: {error}", path, rows.line_num) from None
+                raise TraceFormatError(f"malformed CSV: {error}", path, max(rows.line_num, 1)) from None
             except UnicodeDecodeError as error:
                 raise TraceFormatError(
                     f"not UTF-8 text ({error.reason})", path, rows.line_num + 1
                 ) from None
             except (OSError, EOFError, zlib.error) as error:  # a truncated or corrupt .gz
-                raise TraceFormatError(f"cannot read: {error}", path, rows.line_num) from None
+                raise TraceFormatError(f"cannot read: {error}", path, rows.line_num + 1) from None
 
     def live_before(self):
         """Addresses freed before being allocated in the log (``before_window="live"``)."""

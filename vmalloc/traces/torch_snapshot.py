@@ -20,9 +20,11 @@ allocated before recording began (weights, optimizer state) never appears. See
 
 import io
 import pickle
+import zlib
 
 from vmalloc.errors import InvalidArgumentError, TraceFormatError
 from vmalloc.traces._fields import u64
+from vmalloc.traces._files import open_binary
 from vmalloc.traces._normalize import scan_before_window
 from vmalloc.traces.events import ALLOC, FREE
 
@@ -44,13 +46,14 @@ class _NoClassesUnpickler(pickle.Unpickler):
 
 def load_snapshot(path, data=None):
     """The snapshot dict of the pickle at ``path`` (or of the bytes ``data``)."""
-    try:
-        if data is None:
-            with open(path, "rb") as f:
+    if data is None:
+        with open_binary(path) as f:
+            try:
                 data = f.read()
+            except (OSError, EOFError, zlib.error) as error:  # a corrupt .gz
+                raise TraceFormatError(f"cannot read: {error}", path) from None
+    try:
         snapshot = _NoClassesUnpickler(io.BytesIO(data)).load()
-    except OSError:
-        raise
     except RecursionError:
         raise TraceFormatError("not a PyTorch memory snapshot: pickle nested too deeply", path)
     except Exception as error:  # pickle reports corruption with many exception types
@@ -171,7 +174,10 @@ class TorchSnapshotReader:
             if segment.get("device", self.index) != self.index:
                 continue
             stream = segment.get("stream", 0)
-            for block in segment.get("blocks") or ():
+            segment_blocks = segment.get("blocks") or []
+            if not isinstance(segment_blocks, list):
+                raise TraceFormatError(f"segment {s + 1}: 'blocks' is not a list", self.path, s + 1)
+            for block in segment_blocks:
                 if not isinstance(block, dict) or block.get("state") not in _LIVE_BLOCK_STATES:
                     continue
                 addr = u64(block.get("address"), "block 'address'", self.path, s + 1)
@@ -186,7 +192,9 @@ class TorchSnapshotReader:
         mentioned = set()
         for entry in self.entries:
             if entry["action"] in ("alloc", "free_requested", "free_completed"):
-                mentioned.add(entry.get("addr"))
+                addr = entry.get("addr")
+                if type(addr) is int:
+                    mentioned.add(addr)
         return {a: v for a, v in self.live_blocks().items() if a not in mentioned}
 
     def live_before(self):

@@ -35,6 +35,7 @@ import zlib
 import numpy as np
 
 from vmalloc.errors import InvalidArgumentError, TraceFormatError
+from vmalloc.traces._files import open_binary
 from vmalloc.traces._normalize import scan_before_window
 from vmalloc.traces.events import ALLOC, BATCH_EVENTS, EVENT_DTYPE
 
@@ -224,8 +225,11 @@ class VmtraceReader:
 
     def __init__(self, path, kind, index):
         self.path = path
-        with open(path, "rb") as f:
-            self.header = read_header(f, path)
+        with open_binary(path) as f:
+            try:
+                self.header = read_header(f, path)
+            except (OSError, EOFError, zlib.error) as error:  # a corrupt .gz
+                raise TraceFormatError(f"cannot read: {error}", path) from None
         # A consistent file needs no normalizing: batches go straight to the caller.
         self.direct = self.header["consistent"]
         self.metadata = dict(self.header["metadata"])
@@ -240,25 +244,30 @@ class VmtraceReader:
         path = self.path
         declared = self.header["events"]
         read = 0
-        with open(path, "rb") as f:
-            f.seek(self.header["body_offset"])
+        with open_binary(path) as f:
             blocks = self._raw_records if self.header["encoding"] == "raw" else self._zlib_blocks
-            for batch in blocks(f):
-                ops = batch["op"]
-                bad = np.flatnonzero(ops > 1)
-                if len(bad):
-                    record = read + int(bad[0]) + 1
-                    raise TraceFormatError(
-                        f"event {record} has op {int(ops[bad[0]])} (0 = ALLOC, 1 = FREE)",
-                        path,
-                        record,
-                    )
-                read += len(batch)
-                if declared is not None and read > declared:
-                    raise TraceFormatError(
-                        f"more events than the {declared} the header declares", path, declared + 1
-                    )
-                yield batch
+            try:
+                f.seek(self.header["body_offset"])
+                for batch in blocks(f):
+                    ops = batch["op"]
+                    bad = np.flatnonzero(ops > 1)
+                    if len(bad):
+                        record = read + int(bad[0]) + 1
+                        raise TraceFormatError(
+                            f"event {record} has op {int(ops[bad[0]])} (0 = ALLOC, 1 = FREE)",
+                            path,
+                            record,
+                        )
+                    read += len(batch)
+                    if declared is not None and read > declared:
+                        raise TraceFormatError(
+                            f"more events than the {declared} the header declares",
+                            path,
+                            declared + 1,
+                        )
+                    yield batch
+            except (OSError, EOFError, zlib.error) as error:  # a corrupt .gz
+                raise TraceFormatError(f"cannot read: {error}", path, read + 1) from None
         if declared is not None and read != declared:
             raise TraceFormatError(
                 f"truncated: {read} events where the header declares {declared}", path, read + 1
