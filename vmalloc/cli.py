@@ -10,6 +10,7 @@ Errors print one line on stderr and exit with status 2.
 import argparse
 import importlib.util
 import json
+import os
 import sys
 
 from vmalloc.errors import VmallocError
@@ -255,6 +256,11 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("vmalloc: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`vmalloc replay | head`): not worth a message. Point stdout
+        # at devnull so that the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except _user_errors() as error:
         message = str(error) or type(error).__name__
         if isinstance(error, OSError) and error.filename and error.strerror:

@@ -33,7 +33,7 @@ def plot_results(results, path, title=None, dpi=110):
     if not by_trace:
         raise ValueError("nothing to plot: no results")
 
-    figure = Figure(figsize=(10, 3.6 * len(by_trace)), dpi=dpi, layout="constrained")
+    figure = Figure(figsize=(10, 4.4 * len(by_trace)), dpi=dpi, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(len(by_trace), 1, squeeze=False)[:, 0]
     spare = iter(_OTHER_COLORS)
@@ -69,7 +69,9 @@ def plot_results(results, path, title=None, dpi=110):
         ax.set_xlim(left=0)
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
-        ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
+        # Below the panel: memory curves fill any corner inside it.
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1, fontsize=8,
+                  frameon=False)
     if title:
         figure.suptitle(title)
     figure.savefig(path, format="png")
