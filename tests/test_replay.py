@@ -356,3 +356,16 @@ def test_the_builtin_trace_replays_by_default():
     assert results[0].events > 0
     assert math.isclose(results[0].utilization,
                         results[0].peak_requested_bytes / results[0].peak_reserved_bytes)
+
+
+def test_an_allocator_error_names_the_event(make_allocator, unbacked):
+    allocator = make_allocator(unbacked())
+    engine = Replay(allocator)
+    with pytest.raises(vmalloc.InvalidArgumentError,
+                       match=r"trace event 1 \(alloc of 144115188075855872 bytes at trace "
+                             r"address 0x2000 on stream 0x0\)"):
+        engine.feed(events((ALLOC, 0x1000, 4096), (ALLOC, 0x2000, 1 << 57),
+                           (ALLOC, 0x3000, 4096)))
+    counts = engine.counts()
+    assert (counts["events"], counts["allocations"]) == (1, 1)  # replayed up to the bad one
+    assert allocator.stats().live_allocations == 1

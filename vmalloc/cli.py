@@ -98,8 +98,9 @@ def _parser():
                     "With no TRACE, the traces shipped with vmalloc.")
     p.add_argument("traces", nargs="*", metavar="TRACE", help="trace files")
     p.add_argument("--format", help="trace format (default: detected from the file)")
-    p.add_argument("--device", type=int, default=0,
-                   help="the device whose events to replay, for traces of several (default 0)")
+    p.add_argument("--device", default="0",
+                   help="the device whose events to replay, for traces of several: a CUDA "
+                        "ordinal, cuda:N or cpu (default 0)")
     p.add_argument("--before-window", choices=("drop", "live"), default="drop",
                    help="memory a snapshot shows live before its window: drop its frees "
                         "(default) or allocate it at the start")
@@ -128,8 +129,9 @@ def _parser():
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
     p.add_argument("--format", help="format of SRC (default: detected)")
-    p.add_argument("--device", type=int, default=0,
-                   help="the device whose events to keep (default 0)")
+    p.add_argument("--device", default="0",
+                   help="the device whose events to keep: a CUDA ordinal, cuda:N or cpu "
+                        "(default 0)")
     return parser
 
 
