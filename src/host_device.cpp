@@ -699,6 +699,33 @@ void HostDevice::synchronize() {
   streams_->report_fault(driver_call_entry_point(DriverCall::synchronize));
 }
 
+void HostDevice::launch_host_func(stream_t stream, std::function<void()> fn) {
+  if (!fn)
+    throw DeviceError("cuLaunchHostFunc on " + name() + ": the function is empty",
+                      "cuLaunchHostFunc", cu_result::invalid_value);
+  detail::StreamSet* streams = streams_.get();
+  streams_->enqueue(
+      stream,
+      [streams, fn = std::move(fn)] {
+        try {
+          fn();
+        } catch (const std::exception& e) {
+          streams->record_fault(std::string("a host function failed: ") + e.what());
+        } catch (...) {
+          streams->record_fault("a host function failed");
+        }
+      },
+      "cuLaunchHostFunc");
+}
+
+std::uint64_t HostDevice::hold_stream(stream_t stream) {
+  return streams_->hold(stream, "cuLaunchHostFunc");
+}
+
+void HostDevice::release_hold(std::uint64_t hold) {
+  streams_->release_hold(hold, "HostDevice::release_hold");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Copies.
 

@@ -1,5 +1,6 @@
 #include "vmalloc/detail/stream_set.hpp"
 
+#include <condition_variable>
 #include <cstdio>
 #include <vector>
 
@@ -19,7 +20,45 @@ StreamSet::StreamSet(std::string device_name) : device_name_(std::move(device_na
   streams_.emplace(0, std::make_shared<StreamWorker>());
 }
 
-StreamSet::~StreamSet() { synchronize_all(); }
+struct StreamSet::Gate {
+  std::mutex mutex;
+  std::condition_variable opened;
+  bool open = false;
+  void release() {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      open = true;
+    }
+    opened.notify_all();
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lock(mutex);
+    opened.wait(lock, [this] { return open; });
+  }
+};
+
+StreamSet::~StreamSet() {
+  std::unordered_map<std::uint64_t, std::shared_ptr<Gate>> holds;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    holds.swap(holds_);
+  }
+  for (auto& [id, gate] : holds) gate->release();  // nothing may block the drain below
+  synchronize_all();
+}
+
+std::vector<std::shared_ptr<StreamWorker>> StreamSet::prune_retired_locked() {
+  std::vector<std::shared_ptr<StreamWorker>> done;
+  for (auto it = retired_.begin(); it != retired_.end();) {
+    if ((*it)->done((*it)->last_enqueued())) {
+      done.push_back(std::move(*it));
+      it = retired_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return done;
+}
 
 void StreamSet::invalid(const char* entry, const char* what, std::uintptr_t handle) const {
   throw DeviceError(std::string(entry) + " on " + device_name_ + ": unknown " + what + " " +
@@ -41,7 +80,9 @@ StreamSet::Event& StreamSet::event_locked(event_t event, const char* entry) {
 
 stream_t StreamSet::create_stream() {
   auto worker = std::make_shared<StreamWorker>();
+  std::vector<std::shared_ptr<StreamWorker>> done;  // released after the lock
   std::lock_guard<std::mutex> lock(mutex_);
+  done = prune_retired_locked();
   const stream_t id = next_handle_++;
   streams_.emplace(id, std::move(worker));
   return id;
@@ -49,17 +90,17 @@ stream_t StreamSet::create_stream() {
 
 void StreamSet::destroy_stream(stream_t stream, const char* entry) {
   std::shared_ptr<StreamWorker> worker;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (stream == 0)
-      throw DeviceError(std::string(entry) + " on " + device_name_ +
-                            ": the default stream (0) cannot be destroyed",
-                        entry, cu_result::invalid_handle);
-    worker = stream_locked(stream, entry);
-    streams_.erase(stream);
-  }
-  // Its queued work still runs (as in CUDA); events recorded on it keep it alive.
-  worker->drain();
+  std::vector<std::shared_ptr<StreamWorker>> done;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (stream == 0)
+    throw DeviceError(std::string(entry) + " on " + device_name_ +
+                          ": the default stream (0) cannot be destroyed",
+                      entry, cu_result::invalid_handle);
+  worker = stream_locked(stream, entry);
+  streams_.erase(stream);
+  // Its queued work still runs (as in CUDA) and the call does not wait for it.
+  if (!worker->done(worker->last_enqueued())) retired_.push_back(worker);
+  done = prune_retired_locked();
 }
 
 event_t StreamSet::create_event() {
@@ -151,13 +192,13 @@ void StreamSet::stream_wait_event(stream_t stream, event_t event, const char* en
 }
 
 void StreamSet::synchronize_stream(stream_t stream, const char* entry) {
-  Ticket t;
+  std::shared_ptr<StreamWorker> worker;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto worker = stream_locked(stream, entry);
-    t = enqueue_locked(stream, worker, nullptr, {});
+    worker = stream_locked(stream, entry);
   }
-  t.wait();
+  // The stream's items already carry their implicit default-stream dependencies.
+  worker->drain();
 }
 
 void StreamSet::synchronize_all() {
@@ -165,8 +206,31 @@ void StreamSet::synchronize_all() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     for (const auto& [id, worker] : streams_) tickets.push_back({worker, worker->last_enqueued()});
+    for (const auto& worker : retired_) tickets.push_back({worker, worker->last_enqueued()});
   }
   for (const auto& t : tickets) t.wait();
+}
+
+std::uint64_t StreamSet::hold(stream_t stream, const char* entry) {
+  auto gate = std::make_shared<Gate>();
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto worker = stream_locked(stream, entry);
+  enqueue_locked(stream, worker, [gate] { gate->wait(); }, {});
+  const std::uint64_t id = next_hold_++;
+  holds_.emplace(id, std::move(gate));
+  return id;
+}
+
+void StreamSet::release_hold(std::uint64_t hold, const char* entry) {
+  std::shared_ptr<Gate> gate;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = holds_.find(hold);
+    if (it == holds_.end()) invalid(entry, "hold", hold);
+    gate = std::move(it->second);
+    holds_.erase(it);
+  }
+  gate->release();
 }
 
 std::size_t StreamSet::streams() const {

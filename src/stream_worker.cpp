@@ -13,11 +13,13 @@ StreamWorker::~StreamWorker() {
 }
 
 std::uint64_t StreamWorker::enqueue(Task task, std::vector<StreamDependency> deps) {
+  // Checked before taking this stream's lock: never hold two streams' locks at once.
+  // (A dependency once done stays done.)
+  bool deps_done = true;
+  for (const auto& d : deps) deps_done = deps_done && d.stream->done(d.seq);
   std::unique_lock<std::mutex> lock(mutex_);
   if (!task && queue_.empty()) {
-    bool all_done = true;
-    for (const auto& d : deps) all_done = all_done && d.stream->done(d.seq);
-    if (all_done) {  // nothing to wait for: the marker is complete as soon as it exists
+    if (deps_done) {  // nothing to wait for: the marker is complete as soon as it exists
       ++enqueued_;
       ++completed_;
       return enqueued_;

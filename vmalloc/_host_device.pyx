@@ -1,10 +1,10 @@
 # cython: language_level=3
 """HostDevice: a GPU emulated on host memory with the CUDA driver's virtual memory rules."""
 
-from libc.stdint cimport uintptr_t
+from libc.stdint cimport uint64_t, uintptr_t
 from libcpp cimport bool as cbool
 
-from vmalloc._device cimport CDevice, Device, vmalloc_raise_py_error
+from vmalloc._device cimport CDevice, Device, stream_handle, vmalloc_raise_py_error
 from vmalloc.errors import DeviceError
 from vmalloc.sizes import parse_size
 
@@ -34,6 +34,8 @@ cdef extern from "vmalloc/host_device.hpp" namespace "vmalloc" nogil:
     cdef cppclass CHostDevice "vmalloc::HostDevice"(CDevice):
         CHostDevice(const CHostDeviceOptions& options) except +vmalloc_raise_py_error
         CHostDeviceState state() except +vmalloc_raise_py_error
+        uint64_t hold_stream(uintptr_t stream) except +vmalloc_raise_py_error
+        void release_hold(uint64_t hold) except +vmalloc_raise_py_error
 
     cdef size_t host_device_vma_limit "vmalloc::HostDevice::vma_limit"()
     cdef void host_device_set_vma_limit "vmalloc::HostDevice::set_vma_limit"(size_t limit)
@@ -117,6 +119,27 @@ cdef class HostDevice(Device):
                               "(backed=False keeps accounting only)",
                               "cuMemcpyDtoHAsync", 801)
         return Device.read(self, ptr, nbytes, stream)
+
+    def copy_to_host(self, uintptr_t dst, uintptr_t src, nbytes, stream=0):
+        """cuMemcpyDtoHAsync to host address ``dst``. Asynchronous when ``dst`` is pinned
+        memory from :meth:`host_alloc` (keep it alive until done); into pageable memory it
+        returns only once the copy is done, as with the driver."""
+        cdef size_t n = parse_size(nbytes, "nbytes")
+        cdef uintptr_t s = stream_handle(stream)
+        cdef CDevice* d = self.get()
+        with nogil:  # a pageable copy waits for the stream
+            d.copy_to_host(<void*>dst, src, n, s)
+
+    def hold_stream(self, stream=0):
+        """Blocks ``stream`` until :meth:`release_hold` (a testing aid, like a kernel that
+        runs until told to stop), so that work queued behind it can be observed before it
+        runs. Returns the hold's id. Destroying the device releases every hold."""
+        cdef uintptr_t s = stream_handle(stream)
+        return self.host().hold_stream(s)
+
+    def release_hold(self, uint64_t hold):
+        """Lets the stream blocked by :meth:`hold_stream` go on."""
+        self.host().release_hold(hold)
 
     @staticmethod
     def vma_limit():

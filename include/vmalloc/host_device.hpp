@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -97,6 +98,16 @@ class HostDevice : public Device {
                       stream_t stream) override;
   void copy_to_host(void* dst, device_ptr src, std::size_t nbytes, stream_t stream) override;
   void copy_device(device_ptr dst, device_ptr src, std::size_t nbytes, stream_t stream) override;
+
+  // cuLaunchHostFunc: runs `fn` on the stream's worker, in order with the stream's work.
+  // An exception from `fn` becomes the fault reported by the next synchronization.
+  // Not counted (no DriverCall): it moves no memory.
+  void launch_host_func(stream_t stream, std::function<void()> fn);
+  // A testing aid: blocks `stream` (like a kernel that runs until told to stop) so queued
+  // work can be observed before it runs. Returns an id for release_hold. Destroying the
+  // device releases every hold.
+  std::uint64_t hold_stream(stream_t stream);
+  void release_hold(std::uint64_t hold);
 
   HostDeviceState state() const;
   // Kernel VMAs this device may create before it refuses (vm.max_map_count minus headroom,

@@ -5,7 +5,8 @@
 // Handles of streams and events come from one counter, so passing one kind for the other is
 // caught (DeviceError code invalid_handle). A queued item that faults records the fault here;
 // the next synchronization reports it once (CUDA keeps it forever; an emulator that stays
-// usable after a deliberate fault is more useful for tests).
+// usable after a deliberate fault is more useful for tests). A destroyed stream's queued
+// work still runs, as in CUDA: the stream is retired, not waited for.
 #pragma once
 
 #include <cstddef>
@@ -14,6 +15,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "vmalloc/detail/stream_worker.hpp"
 #include "vmalloc/types.hpp"
@@ -31,7 +33,7 @@ class StreamSet {
   // Every method below that takes an `entry` point name throws DeviceError(entry,
   // invalid_handle) for an unknown stream or event handle, and then changes nothing.
   stream_t create_stream();
-  void destroy_stream(stream_t stream, const char* entry);  // drains it first
+  void destroy_stream(stream_t stream, const char* entry);  // does not wait
   event_t create_event();
   void destroy_event(event_t event, const char* entry);
   void record(event_t event, stream_t stream, const char* entry);
@@ -51,6 +53,13 @@ class StreamSet {
   void synchronize_stream(stream_t stream, const char* entry);
   void synchronize_all();
 
+  // Holds: an item that blocks `stream` until released (a kernel that runs until told to
+  // stop), so tests can observe queued, not yet executed work. Released holds, and all
+  // holds when the set is destroyed, let the stream go on. Returns the hold's id.
+  std::uint64_t hold(stream_t stream, const char* entry);
+  // Throws DeviceError(entry, invalid_handle) for an unknown or already released hold.
+  void release_hold(std::uint64_t hold, const char* entry);
+
   std::size_t streams() const;  // created ones; the default stream is not counted
   std::size_t events() const;
 
@@ -60,6 +69,7 @@ class StreamSet {
   void report_fault(const char* entry);
 
  private:
+  struct Gate;
   struct Event {
     std::shared_ptr<StreamWorker> stream;  // null: never recorded, so complete
     std::uint64_t seq = 0;
@@ -69,12 +79,17 @@ class StreamSet {
   // Queues on `worker` (handle `stream`) with the default stream's implicit ordering.
   Ticket enqueue_locked(stream_t stream, const std::shared_ptr<StreamWorker>& worker,
                         StreamWorker::Task task, std::vector<StreamDependency> deps);
+  // Drops retired streams whose work is done (returned, to be released unlocked).
+  std::vector<std::shared_ptr<StreamWorker>> prune_retired_locked();
   [[noreturn]] void invalid(const char* entry, const char* what, std::uintptr_t handle) const;
 
   const std::string device_name_;
   mutable std::mutex mutex_;  // the maps and the fault; never held while waiting for work
   std::unordered_map<stream_t, std::shared_ptr<StreamWorker>> streams_;
   std::unordered_map<event_t, Event> events_;
+  std::vector<std::shared_ptr<StreamWorker>> retired_;  // destroyed with work still queued
+  std::unordered_map<std::uint64_t, std::shared_ptr<Gate>> holds_;
+  std::uint64_t next_hold_ = 1;
   std::uintptr_t next_handle_ = 1;
   std::string fault_;
 };
