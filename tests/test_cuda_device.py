@@ -399,3 +399,112 @@ def test_same_refusals_as_host_device(dev):
     assert results[0][0] == ("cuMemCreate", INVALID_VALUE)
     assert results[0][-2] == ("cuMemcpyDtoHAsync", ILLEGAL_ADDRESS)
     assert results[0][-1] == "oom"
+
+
+# --- property: CudaDevice on the emulator and HostDevice answer every sequence alike --------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+class Lockstep:
+    """One device and what a random sequence of calls created on it, by index."""
+
+    def __init__(self, device):
+        self.device = device
+        self.handles = []        # [handle, size, released]
+        self.reservations = []   # [base, size]
+        self.mappings = []       # [ptr, size, handle index]
+
+    def outcome(self, fn):
+        try:
+            return ("ok", fn())
+        except DeviceError as e:
+            return ("error", e.call, e.code)
+        except OutOfMemoryError:
+            return ("oom",)
+
+    def apply(self, op, a, b, c):
+        d = self.device
+        if op == "create":
+            size = [G, 2 * G, 3 * G, G + 4096, 0][a % 5]
+            result = self.outcome(lambda: d.create(size))
+            if result[0] == "ok":
+                self.handles.append([result[1], size, False])
+            return result[:1] if result[0] == "ok" else result
+        if op == "reserve":
+            size = [2 * G, 4 * G, 8 * G, 3 * 4096][a % 4]
+            result = self.outcome(lambda: d.reserve(size))
+            if result[0] == "ok":
+                self.reservations.append([result[1], size])
+            return result[:1] if result[0] == "ok" else result
+        if op == "map" and self.reservations and self.handles:
+            base, _ = self.reservations[a % len(self.reservations)]
+            h = b % len(self.handles)
+            handle, size, _ = self.handles[h]
+            ptr = base + [0, G, 2 * G, 4096][c % 4]
+            result = self.outcome(lambda: d.map(ptr, size, handle))
+            if result[0] == "ok":
+                self.mappings.append([ptr, size, h])
+            return result
+        if op == "unmap" and self.mappings:
+            ptr, size, _ = self.mappings[a % len(self.mappings)]
+            length = [size, G, 2 * size][b % 3]
+            result = self.outcome(lambda: d.unmap(ptr, length))
+            if result[0] == "ok":
+                self.mappings = [m for m in self.mappings if not ptr <= m[0] < ptr + length]
+            return result
+        if op == "set_access" and self.reservations:
+            base, size = self.reservations[a % len(self.reservations)]
+            if self.mappings and b % 2:
+                base, size, _ = self.mappings[b % len(self.mappings)]
+            return self.outcome(lambda: d.set_access(base, size))
+        if op == "release" and self.handles:
+            entry = self.handles[a % len(self.handles)]
+            result = self.outcome(lambda: d.release(entry[0]))
+            if result[0] == "ok":
+                entry[2] = True
+            return result
+        if op == "free" and self.reservations:
+            i = a % len(self.reservations)
+            base, size = self.reservations[i]
+            result = self.outcome(lambda: d.free_address(base, size))
+            if result[0] == "ok":
+                del self.reservations[i]
+            return result
+        if op == "write_read" and self.mappings:
+            ptr, _, _ = self.mappings[a % len(self.mappings)]
+            data = bytes([a, b, c]) * 3
+            return self.outcome(lambda: (d.write(ptr + 100, data), d.read(ptr + 100, 9))[1])
+        return ("skip",)
+
+    def cleanup(self):
+        for ptr, size, _ in self.mappings:
+            self.device.unmap(ptr, size)
+        for handle, _, released in self.handles:
+            if not released:
+                self.device.release(handle)
+        for base, size in self.reservations:
+            self.device.free_address(base, size)
+
+
+CALLS = st.lists(st.tuples(
+    st.sampled_from(["create", "reserve", "map", "unmap", "set_access", "release", "free",
+                     "write_read"]),
+    st.integers(0, 11), st.integers(0, 11), st.integers(0, 11)), max_size=30)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(calls=CALLS)
+def test_any_call_sequence_matches_host_device(calls):
+    emu = testing.emulator()
+    pair = [Lockstep(vmalloc.HostDevice(capacity="16MiB")),
+            Lockstep(testing.emulated_cuda_device(capacity="16MiB"))]
+    for call in calls:
+        host, cuda = (side.apply(*call) for side in pair)
+        assert host == cuda, call
+    assert pair[0].device.physical_bytes_in_use == pair[1].device.physical_bytes_in_use
+    for side in pair:
+        side.cleanup()
+    held = emu.device_state(pair[1].device.ordinal)
+    assert held["handles"] == held["reservations"] == held["mappings"] == 0

@@ -617,6 +617,7 @@ def test_environment_configures_devices_capacity_and_granularity():
 @pytest.mark.parametrize("variable,value,words", [
     ("VMALLOC_EMULATOR_DEVICES", "lots", "is not a device count"),
     ("VMALLOC_EMULATOR_CAPACITY", "16 furlongs", "is not a size"),
+    ("VMALLOC_EMULATOR_GRANULARITY", "3MiB", "power-of-two multiple"),
     ("VMALLOC_EMULATOR_FAIL", "cuMemMap:0:2", "nth must be a call number"),
     ("VMALLOC_EMULATOR_FAIL", "cuNoSuchThing:1:2", "not an entry point"),
 ])

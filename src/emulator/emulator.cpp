@@ -116,14 +116,24 @@ Emulator::Emulator() {
   config_ = Config::from_environment();
   verbose_ = config_.verbose;
   if (config_.error.empty()) {
-    for (int i = 0; i < config_.devices; ++i)
-      gpus_.push_back(make_gpu(i, config_.capacity, config_.granularity));
+    make_gpus();
     const std::string why = faults_.arm_spec(config_.faults, counts_);
     if (!why.empty()) config_.error = "VMALLOC_EMULATOR_FAIL: " + why;
   }
   if (!config_.error.empty())
     std::fprintf(stderr, "vmalloc driver emulator: %s; cuInit will fail\n",
                  config_.error.c_str());
+}
+
+void Emulator::make_gpus() {
+  try {
+    for (int i = 0; i < config_.devices; ++i)
+      gpus_.push_back(make_gpu(i, config_.capacity, config_.granularity));
+  } catch (const std::exception& x) {
+    // A granularity the emulated device refuses: no devices, and cuInit says why.
+    gpus_.clear();
+    config_.error = std::string("VMALLOC_EMULATOR_GRANULARITY / _CAPACITY: ") + x.what();
+  }
 }
 
 std::unique_ptr<Gpu> Emulator::make_gpu(int ordinal, std::size_t capacity,
@@ -245,9 +255,7 @@ void Emulator::reset() {
     config_ = Config::from_environment();
     config_.faults.clear();  // a reset disarms faults; it does not rearm the environment's
     verbose_ = config_.verbose;
-    if (config_.error.empty())
-      for (int i = 0; i < config_.devices; ++i)
-        gpus_.push_back(make_gpu(i, config_.capacity, config_.granularity));
+    if (config_.error.empty()) make_gpus();
   }
   // The old devices (and their memory) go outside the lock: destroying one drains its streams.
   old.clear();

@@ -164,6 +164,7 @@ class Emulator {
 
  private:
   Emulator();
+  void make_gpus();  // config_.devices of them; on failure none, and config_.error says why
   std::unique_ptr<Gpu> make_gpu(int ordinal, std::size_t capacity, std::size_t granularity);
   bool in_use_locked(int ordinal);
 
