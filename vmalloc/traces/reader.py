@@ -122,8 +122,9 @@ class Trace:
 
     @property
     def info(self):
-        """A :class:`~vmalloc.traces.TraceInfo`: metadata, and the counters of the last
-        complete pass of :meth:`batches` (``info.complete`` tells whether one has finished)."""
+        """What is known about the trace, as a :class:`~vmalloc.traces.TraceInfo`: metadata,
+        and the counters of the last complete pass of :meth:`batches` (``info.complete``
+        tells whether one has finished)."""
         return self._info
 
     def batches(self):
@@ -183,7 +184,8 @@ def open_trace(path, format=None, device=0, before_window="drop"):
         a :class:`Trace`.
 
     Raises:
-        vmalloc.TraceFormatError: the file is not a readable trace of that format.
+        vmalloc.TraceFormatError: the file is not a readable trace of that format, or holds
+            no events of ``device``.
         vmalloc.InvalidArgumentError: an unknown format, device or ``before_window``.
         OSError: the file cannot be opened.
     """

@@ -29,6 +29,12 @@ _DECIMAL = re.compile(r"[0-9]{1,20}")
 
 
 def _hex(text, what, path, line):
+    try:
+        value = int(text, 16)  # the common case, fast: "0x7f8a40000000"
+    except ValueError:
+        value = -1
+    if 0 <= value <= U64_MAX and "_" not in text:  # int() also takes "1_0" digit groups
+        return value
     t = text.strip()
     if t.lower() in ("(nil)", "nil", "null", "nullptr"):
         return 0
@@ -39,6 +45,12 @@ def _hex(text, what, path, line):
 
 
 def _size(text, path, line):
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if 0 <= value <= U64_MAX and "_" not in text:
+        return value
     t = text.strip()
     if _DECIMAL.fullmatch(t) is None:
         raise TraceFormatError(f"Size must be a non-negative integer, got {text!r:.60}", path, line)
