@@ -18,6 +18,7 @@ from vmalloc.stats import Stats
 from vmalloc._device import Device
 from vmalloc._allocator import Allocator
 from vmalloc._host_device import HostDevice
+from vmalloc._cuda_device import CudaDevice
 from vmalloc._caching_allocator import CachingAllocator
 from vmalloc._logging_adaptor import LoggingAllocator
 from vmalloc import traces
@@ -32,6 +33,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Allocator",
     "CachingAllocator",
+    "CudaDevice",
     "Device",
     "DeviceError",
     "HostDevice",
