@@ -27,6 +27,7 @@ from vmalloc._current_allocator import (
     library_path,
     set_current_allocator,
 )
+from vmalloc._virtual_allocator import VirtualAllocator
 
 __version__ = "0.1.0"
 
@@ -43,6 +44,7 @@ __all__ = [
     "OutOfMemoryError",
     "Stats",
     "TraceFormatError",
+    "VirtualAllocator",
     "VmallocError",
     "format_size",
     "get_current_allocator",

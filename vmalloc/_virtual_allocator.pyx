@@ -1,6 +1,7 @@
 # cython: language_level=3
 """The virtual-addressing allocator: physical chunks mapped into contiguous reserved ranges."""
 
+from libc.stdint cimport uint64_t
 from libcpp cimport bool
 from libcpp.memory cimport shared_ptr, static_pointer_cast
 
@@ -156,3 +157,97 @@ cdef class VirtualAllocator(Allocator):
 def raise_invalid(message):
     from vmalloc.errors import InvalidArgumentError
     raise InvalidArgumentError(message)
+
+
+cdef extern from "vmalloc/physical_chunk_pool.hpp" namespace "vmalloc" nogil:
+    cdef cppclass ChunkPoolStats:
+        size_t chunk_size
+        size_t budget_bytes
+        size_t chunks_held
+        size_t peak_chunks_held
+        size_t chunks_cached
+        size_t chunks_created
+        size_t chunks_released
+
+    cdef cppclass CPhysicalChunkPool "vmalloc::PhysicalChunkPool":
+        CPhysicalChunkPool(shared_ptr[CDevice] device, size_t chunk_size,
+                           size_t budget) except +vmalloc_raise_py_error
+        uint64_t acquire() except +vmalloc_raise_py_error
+        uint64_t take_cached() except +vmalloc_raise_py_error
+        uint64_t create() except +vmalloc_raise_py_error
+        void give_back(uint64_t chunk) except +vmalloc_raise_py_error
+        void release(uint64_t chunk) except +vmalloc_raise_py_error
+        size_t release_cached() except +vmalloc_raise_py_error
+        size_t creatable_chunks() except +vmalloc_raise_py_error
+        ChunkPoolStats stats() except +vmalloc_raise_py_error
+
+
+cdef class PhysicalChunkPool:
+    """Fixed-size physical chunks of a device and a cache of the unmapped ones.
+
+    The building block of :class:`vmalloc.VirtualAllocator`, exposed for tests and for users
+    who map chunks themselves. Chunks are ``cuMemCreate`` handles (ints) of exactly
+    ``chunk_size`` bytes; the pool releases every chunk it still holds when it goes.
+
+    Args:
+        device: the :class:`vmalloc.Device`.
+        chunk_size: a positive multiple of the device granularity.
+        budget: the most bytes of chunks held at once (at least one chunk), or ``None``.
+    """
+
+    cdef CPhysicalChunkPool* c_pool
+    cdef readonly Device device
+
+    def __init__(self, Device device not None, chunk_size="2MiB", budget=None):
+        cdef size_t mc = parse_size(chunk_size, "chunk_size")
+        cdef size_t b = 0 if budget is None else parse_size(budget, "budget")
+        if budget is not None and b == 0:
+            raise_invalid("budget must be positive (None for no budget), got 0")
+        self.c_pool = new CPhysicalChunkPool(device.c_device, mc, b)
+        self.device = device
+
+    def __dealloc__(self):
+        del self.c_pool
+
+    def acquire(self):
+        """A chunk handle: a cached chunk if any, else a new one. Raises
+        :class:`vmalloc.OutOfMemoryError` when the budget or the device is full."""
+        return self.c_pool.acquire()
+
+    def take_cached(self):
+        """A cached chunk handle, or 0 when the cache is empty (never creates)."""
+        return self.c_pool.take_cached()
+
+    def create(self):
+        """A new chunk handle (never from the cache)."""
+        return self.c_pool.create()
+
+    def give_back(self, chunk):
+        """Returns an unmapped chunk to the cache."""
+        self.c_pool.give_back(chunk)
+
+    def release(self, chunk):
+        """Releases a chunk held by the caller to the device."""
+        self.c_pool.release(chunk)
+
+    def release_cached(self):
+        """Releases every cached chunk to the device; returns the bytes released."""
+        return self.c_pool.release_cached()
+
+    def creatable_chunks(self):
+        """How many more chunks the budget and the device's capacity allow (an estimate)."""
+        return self.c_pool.creatable_chunks()
+
+    def stats(self):
+        """A dict: ``chunk_size``, ``budget_bytes``, ``chunks_held``, ``peak_chunks_held``,
+        ``chunks_cached``, ``chunks_created``, ``chunks_released``."""
+        cdef ChunkPoolStats s = self.c_pool.stats()
+        return {
+            "chunk_size": s.chunk_size,
+            "budget_bytes": s.budget_bytes,
+            "chunks_held": s.chunks_held,
+            "peak_chunks_held": s.peak_chunks_held,
+            "chunks_cached": s.chunks_cached,
+            "chunks_created": s.chunks_created,
+            "chunks_released": s.chunks_released,
+        }
