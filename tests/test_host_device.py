@@ -483,3 +483,155 @@ def test_threads_on_disjoint_resources():
     assert dev.state() == HostDevice().state()
     c = dev.counters()
     assert (c["create"], c["map"], c["unmap"], c["release"]) == (720, 720, 180, 720)
+
+
+# --- a model-checked random walk over the driver calls ------------------------------------
+
+from hypothesis import settings, strategies as st  # noqa: E402
+from hypothesis.stateful import (  # noqa: E402
+    RuleBasedStateMachine, invariant, precondition, rule)
+
+CHUNK = 64 * 1024
+CAPACITY_CHUNKS = 12
+
+
+class HostDeviceMachine(RuleBasedStateMachine):
+    """Random legal and illegal calls against a Python model of the device's books and
+    bytes: legal calls must succeed, illegal ones must be refused with nothing changed.
+    Things are drawn in creation order, never by address (addresses differ between runs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dev = HostDevice(granularity=CHUNK, capacity=CAPACITY_CHUNKS * CHUNK)
+        self.handles = {}       # handle -> {"size", "released", "maps": set, "bytes": dict}
+        self.reservations = {}  # base -> size
+        self.mappings = {}      # ptr -> {"size", "handle", "access"}
+
+    def created_bytes(self):
+        return sum(h["size"] for h in self.handles.values())
+
+    def refused(self, fn, code=INVALID_VALUE):
+        before = self.dev.state()
+        with pytest.raises(DeviceError) as info:
+            fn()
+        assert info.value.code == code
+        assert self.dev.state() == before
+
+    @rule(n=st.integers(1, 4))
+    def create(self, n):
+        if self.created_bytes() + n * CHUNK > CAPACITY_CHUNKS * CHUNK:
+            before = self.dev.state()
+            with pytest.raises(OutOfMemoryError):
+                self.dev.create(n * CHUNK)
+            assert self.dev.state() == before
+            return
+        h = self.dev.create(n * CHUNK)
+        assert h not in self.handles
+        self.handles[h] = {"size": n * CHUNK, "released": False, "maps": set(), "bytes": {}}
+
+    @rule(n=st.integers(1, 6))
+    def reserve(self, n):
+        base = self.dev.reserve(n * CHUNK)
+        assert base % CHUNK == 0
+        self.reservations[base] = n * CHUNK
+
+    @precondition(lambda self: self.reservations and self.handles)
+    @rule(data=st.data())
+    def map(self, data):
+        base = data.draw(st.sampled_from(list(self.reservations)))
+        h = data.draw(st.sampled_from(sorted(self.handles)))
+        # The range starts inside the reservation; one that runs past its end is refused
+        # even when the next reservation happens to be adjacent.
+        offset = data.draw(st.integers(0, self.reservations[base] // CHUNK - 1)) * CHUNK
+        size = data.draw(st.integers(1, 4)) * CHUNK
+        ptr = base + offset
+        handle = self.handles[h]
+        legal = (not handle["released"] and size <= handle["size"]
+                 and offset + size <= self.reservations[base]
+                 and all(p + m["size"] <= ptr or ptr + size <= p
+                         for p, m in self.mappings.items()))
+        if not legal:
+            self.refused(lambda: self.dev.map(ptr, size, h))
+            return
+        self.dev.map(ptr, size, h)
+        self.mappings[ptr] = {"size": size, "handle": h, "access": False}
+        handle["maps"].add(ptr)
+
+    @precondition(lambda self: self.mappings)
+    @rule(data=st.data())
+    def set_access(self, data):
+        ptr = data.draw(st.sampled_from(list(self.mappings)))
+        self.dev.set_access(ptr, self.mappings[ptr]["size"])
+        self.mappings[ptr]["access"] = True
+
+    @precondition(lambda self: self.mappings)
+    @rule(data=st.data(), value=st.integers(1, 255))
+    def write_or_read(self, data, value):
+        ptr = data.draw(st.sampled_from(list(self.mappings)))
+        m = self.mappings[ptr]
+        offset = data.draw(st.integers(0, m["size"] - 1))
+        contents = self.handles[m["handle"]]["bytes"]
+        if not m["access"]:
+            self.refused(lambda: self.dev.read(ptr + offset, 1), ILLEGAL_ADDRESS)
+        elif data.draw(st.booleans()):
+            self.dev.write(ptr + offset, bytes([value]))
+            contents[offset] = value
+        else:
+            assert self.dev.read(ptr + offset, 1) == bytes([contents.get(offset, 0)])
+
+    @precondition(lambda self: self.mappings)
+    @rule(data=st.data())
+    def unmap(self, data):
+        ptr = data.draw(st.sampled_from(list(self.mappings)))
+        m = self.mappings[ptr]
+        if data.draw(st.booleans()) and m["size"] > CHUNK:  # a sub-range: refused
+            self.refused(lambda: self.dev.unmap(ptr, CHUNK))
+            return
+        self.dev.unmap(ptr, m["size"])
+        del self.mappings[ptr]
+        handle = self.handles[m["handle"]]
+        handle["maps"].discard(ptr)
+        if handle["released"] and not handle["maps"]:
+            del self.handles[m["handle"]]
+
+    @precondition(lambda self: self.handles)
+    @rule(data=st.data())
+    def release(self, data):
+        h = data.draw(st.sampled_from(sorted(self.handles)))
+        handle = self.handles[h]
+        if handle["released"]:
+            self.refused(lambda: self.dev.release(h))
+            return
+        self.dev.release(h)
+        handle["released"] = True
+        if not handle["maps"]:
+            del self.handles[h]
+
+    @precondition(lambda self: self.reservations)
+    @rule(data=st.data())
+    def free_address(self, data):
+        base = data.draw(st.sampled_from(list(self.reservations)))
+        size = self.reservations[base]
+        if any(base <= p < base + size for p in self.mappings):
+            self.refused(lambda: self.dev.free_address(base, size))
+            return
+        self.dev.free_address(base, size)
+        del self.reservations[base]
+
+    @invariant()
+    def books_match_the_model(self):
+        s = self.dev.state()
+        assert s["physical_allocations"] == len(self.handles)
+        assert s["released_still_mapped"] == sum(h["released"] for h in self.handles.values())
+        assert s["bytes_created"] == self.created_bytes() == self.dev.physical_bytes_in_use
+        assert s["reservations"] == len(self.reservations)
+        assert s["bytes_reserved"] == sum(self.reservations.values())
+        assert s["mappings"] == len(self.mappings)
+        assert s["bytes_mapped"] == sum(m["size"] for m in self.mappings.values())
+        assert s["bytes_accessible"] == sum(m["size"] for m in self.mappings.values()
+                                            if m["access"])
+
+
+TestHostDeviceMachine = HostDeviceMachine.TestCase
+TestHostDeviceMachine.settings = settings(max_examples=40, stateful_step_count=40,
+                                          deadline=None)
