@@ -134,6 +134,7 @@ def test_device_selection(tmp_path):
     assert as_tuples(cuda0.events()) == [(ALLOC, 0, 0x1000, 512), (FREE, 0, 0x1000, 512)]
     assert cuda0.info.metadata["memory_events_by_device"] == {"cpu": 1, "cuda:0": 2, "cuda:1": 1}
     assert cuda0.info.skipped == {"oom": 1}
+    assert open_trace(path, before_window="live").scan().skipped == {"oom": 1}
     assert as_tuples(open_trace(path, device="cuda:1").events()) == [(ALLOC, 0, 0x2000, 256)]
     assert as_tuples(open_trace(path, device="cpu").events()) == [(ALLOC, 0, 0x3000, 64)]
     with pytest.raises(vmalloc.TraceFormatError, match="no memory events for device cuda:2"):

@@ -40,6 +40,8 @@ def test_rmm_log(tmp_path):
     assert info.skipped == {"allocate failure": 1}
     assert (info.allocs, info.frees, info.streams) == (2, 2, 2)
     assert info.peak_live_bytes == 3072
+    # The extra scan of before_window="live" does not count skipped records twice.
+    assert open_trace(path, before_window="live").scan().skipped == {"allocate failure": 1}
 
 
 def test_columns_by_name_and_without_stream(tmp_path):

@@ -42,6 +42,7 @@ class KinetoReader:
     def records(self):
         """``(op, stream, addr, size)`` for each memory event of the device, in file order."""
         path = self.path
+        self.skipped = {}  # counts of this pass only (a before_window="live" scan is another)
         want_type = self.device_type
         want_id = self.index
         devices = {}

@@ -74,6 +74,7 @@ class RmmCsvReader:
     def records(self):
         """``(op, stream, addr, size)`` for every allocate and free line, in file order."""
         path = self.path
+        self.skipped = {}  # counts of this pass only (a before_window="live" scan is another)
         with open_text(path) as text:
             rows = csv.reader(text, strict=True)
             try:
