@@ -30,25 +30,6 @@ void HierarchicalBitmap::grow(std::size_t n) {
   }
 }
 
-void HierarchicalBitmap::set(std::size_t i) noexcept {
-  for (auto& bits : levels_) {
-    std::uint64_t& word = bits[i >> 6];
-    const bool was_zero = word == 0;
-    word |= std::uint64_t{1} << (i & 63);
-    if (!was_zero) return;  // the levels above already know this word is non-zero
-    i >>= 6;
-  }
-}
-
-void HierarchicalBitmap::clear(std::size_t i) noexcept {
-  for (auto& bits : levels_) {
-    std::uint64_t& word = bits[i >> 6];
-    word &= ~(std::uint64_t{1} << (i & 63));
-    if (word != 0) return;
-    i >>= 6;
-  }
-}
-
 std::size_t HierarchicalBitmap::find(std::size_t level, std::size_t i) const noexcept {
   const auto& bits = levels_[level];
   const std::size_t w = i >> 6;

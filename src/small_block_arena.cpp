@@ -45,6 +45,7 @@ ArenaBlock* SmallBlockArena::allocate(std::size_t nbytes, stream_t stream) {
     rest->chunk = block->chunk;
     rest->offset = block->offset + size;
     rest->size = block->size - size;
+    rest->requested = 0;
     rest->free = true;
     rest->work = order_.share(block->work);
     rest->prev = block;
@@ -72,7 +73,10 @@ ArenaChunk* SmallBlockArena::add_chunk(device_ptr base, void* owner) {
   }
   chunk->base = base;
   chunk->owner = owner;
+  chunk->live_blocks = 0;
+  chunk->free_blocks = 0;
   chunk->first = block;
+  chunk->prev = nullptr;
   chunk->next = all_;
   if (all_ != nullptr) all_->prev = chunk;
   all_ = chunk;
@@ -81,7 +85,10 @@ ArenaChunk* SmallBlockArena::add_chunk(device_ptr base, void* owner) {
   block->chunk = chunk;
   block->offset = 0;
   block->size = chunk_size_;
+  block->requested = 0;
   block->free = true;
+  block->prev = block->next = nullptr;
+  block->work = PendingWork{};  // fresh memory: nothing pending
   insert_free(block);
   return chunk;
 }
@@ -96,7 +103,7 @@ ArenaChunk* SmallBlockArena::deallocate(ArenaBlock* block, PendingWork work) noe
       left != nullptr && left->free && StreamOrder::can_merge(left->work, block->work)) {
     remove_free(left);
     left->size += block->size;
-    left->work = order_.merge(left->work, block->work);
+    order_.merge_into(left->work, block->work);
     left->next = block->next;
     if (block->next != nullptr) block->next->prev = left;
     blocks_.release(block);
@@ -106,7 +113,7 @@ ArenaChunk* SmallBlockArena::deallocate(ArenaBlock* block, PendingWork work) noe
       right != nullptr && right->free && StreamOrder::can_merge(block->work, right->work)) {
     remove_free(right);
     block->size += right->size;
-    block->work = order_.merge(block->work, right->work);
+    order_.merge_into(block->work, right->work);
     block->next = right->next;
     if (right->next != nullptr) right->next->prev = block;
     blocks_.release(right);
@@ -136,7 +143,7 @@ PendingWork SmallBlockArena::remove_chunk(ArenaChunk* chunk) noexcept {
   for (ArenaBlock* b = chunk->first; b != nullptr;) {
     ArenaBlock* next = b->next;
     remove_free(b);
-    work = order_.merge(work, b->work);
+    order_.merge_into(work, b->work);
     blocks_.release(b);
     b = next;
   }

@@ -41,11 +41,7 @@ std::uint32_t StreamOrder::record(stream_t stream) {
   return index;
 }
 
-void StreamOrder::unref(std::uint32_t index) noexcept {
-  if (--slots_[index].refs == 0) free_slots_.push_back(index);
-}
-
-PendingWork StreamOrder::on_free(stream_t stream) {
+PendingWork StreamOrder::on_free_slow(stream_t stream) {
   const bool multi = multi_stream_ || (have_first_ && stream != first_stream_);
   PendingWork work;
   work.stream = stream;
@@ -79,8 +75,7 @@ bool StreamOrder::completed(PendingWork& work) {
   return true;
 }
 
-void StreamOrder::make_usable_on(PendingWork& work, stream_t stream) {
-  if (free_on(work, stream)) return;
+void StreamOrder::make_usable_on_slow(PendingWork& work, stream_t stream) {
   if (!settle_or_record(work)) return;
   if (device_->query_event(slots_[work.event].handle)) {
     drop(work);
@@ -93,25 +88,6 @@ void StreamOrder::synchronize(PendingWork& work) {
   if (!settle_or_record(work)) return;
   device_->synchronize_event(slots_[work.event].handle);
   drop(work);
-}
-
-PendingWork StreamOrder::merge(PendingWork a, PendingWork b) noexcept {
-  if (a.idle) return b;
-  if (b.idle) return a;
-  // Same stream: the later free's event captured everything queued before the earlier one.
-  if (a.seq < b.seq) std::swap(a, b);
-  drop(b);
-  return a;
-}
-
-PendingWork StreamOrder::share(const PendingWork& work) noexcept {
-  if (work.event != no_event) ++slots_[work.event].refs;
-  return work;
-}
-
-void StreamOrder::drop(PendingWork& work) noexcept {
-  if (work.event != no_event) unref(work.event);
-  work = PendingWork{};
 }
 
 }  // namespace vmalloc::detail

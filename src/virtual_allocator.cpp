@@ -69,6 +69,7 @@ VirtualAllocator::VirtualAllocator(std::shared_ptr<Device> device,
                                    const VirtualAllocatorOptions& options)
     : device_(require_device(device)),
       chunk_size_(resolve_chunk_size(*device_, options.chunk_size)),
+      chunk_shift_((chunk_size_ & (chunk_size_ - 1)) == 0 ? __builtin_ctzll(chunk_size_) : -1),
       small_threshold_(resolve_small_threshold(chunk_size_, options.small_threshold)),
       pool_(device_, chunk_size_, options.budget),
       order_(device_),
@@ -126,7 +127,7 @@ device_ptr VirtualAllocator::allocate(std::size_t nbytes, stream_t stream) {
 }
 
 device_ptr VirtualAllocator::allocate_chunks(std::size_t nbytes, stream_t stream) {
-  const std::size_t k = (nbytes + chunk_size_ - 1) / chunk_size_;
+  const std::size_t k = chunks_for(nbytes);
   Range* r = take_cached(k, stream);
   if (r == nullptr) r = map_new_range(k, nbytes, stream);
   r->state = RangeState::live;
@@ -199,6 +200,8 @@ VirtualAllocator::Range* VirtualAllocator::take_cached(std::size_t k, stream_t s
     rest->first = c->first + k;
     rest->count = c->count - k;
     rest->state = RangeState::cached;
+    rest->requested = 0;
+    rest->arena = nullptr;
     rest->work = order_.share(c->work);
     c->count = k;
     c->reservation->set_bounds(c);
@@ -259,7 +262,7 @@ VirtualAllocator::Range* VirtualAllocator::map_new_range(std::size_t k, std::siz
       } catch (...) {
       }
     }
-    ranges_.release(range);
+    release_range(range);
   };
   try {
     base = device_->reserve(bytes, device_->granularity());
@@ -301,6 +304,9 @@ VirtualAllocator::Range* VirtualAllocator::map_new_range(std::size_t k, std::siz
   range->first = 0;
   range->count = k;
   range->state = RangeState::live;
+  range->requested = 0;
+  range->arena = nullptr;
+  range->work = PendingWork{};
   r->set_bounds(range);
   note_reserved();
   return range;
@@ -383,7 +389,7 @@ void VirtualAllocator::unmap_tail(Range* r, std::size_t take, std::vector<physic
   res->mapped -= take;
   r->count -= take;
   if (r->count == 0) {
-    ranges_.release(r);
+    release_range(r);
     drop_reservation_if_empty(res);
   } else {
     res->set_bounds(r);
@@ -452,10 +458,10 @@ void VirtualAllocator::cache_range(Range* r) noexcept {
         StreamOrder::can_merge(left->work, r->work)) {
       cached_.remove(left);
       cached_chunks_ -= left->count;
-      r->work = order_.merge(left->work, r->work);
+      order_.merge_into(r->work, left->work);
       r->first = left->first;
       r->count += left->count;
-      ranges_.release(left);
+      release_range(left);
     }
   }
   Range* right = res->range_starting_at(r->first + r->count);
@@ -463,13 +469,19 @@ void VirtualAllocator::cache_range(Range* r) noexcept {
       StreamOrder::can_merge(r->work, right->work)) {
     cached_.remove(right);
     cached_chunks_ -= right->count;
-    r->work = order_.merge(r->work, right->work);
+    order_.merge_into(r->work, right->work);
     r->count += right->count;
-    ranges_.release(right);
+    release_range(right);
   }
   res->set_bounds(r);
   cached_.insert(r, r->count);  // sizes up to the reservation's were reserved: no allocation
   cached_chunks_ += r->count;
+}
+
+void VirtualAllocator::release_range(Range* r) noexcept {
+  r->reservation = nullptr;  // stale head/tail entries pointing here no longer validate
+  r->count = 0;
+  ranges_.release(r);
 }
 
 void VirtualAllocator::retire_arena_chunk(ArenaChunk* c) noexcept {

@@ -117,10 +117,16 @@ class VirtualAllocator final : public Allocator {
   void unmap_tail(Range* range, std::size_t take, std::vector<physical_handle>& out);
   // Puts a free range into the cache, merging it with cached neighbours.
   void cache_range(Range* range) noexcept;
+  // Returns a range node to the node pool (invalidating stale slot entries).
+  void release_range(Range* r) noexcept;
   // An arena chunk without live blocks goes back to the range cache.
   void retire_arena_chunk(detail::ArenaChunk* chunk) noexcept;
   // Frees a reservation if nothing is mapped in it any more.
   void drop_reservation_if_empty(Reservation* reservation);
+  std::size_t chunks_for(std::size_t nbytes) const noexcept {
+    return chunk_shift_ >= 0 ? (nbytes + chunk_size_ - 1) >> chunk_shift_
+                             : (nbytes + chunk_size_ - 1) / chunk_size_;
+  }
   device_ptr address_of(const Range* r) const noexcept {
     return r->reservation->base + r->first * chunk_size_;
   }
@@ -134,6 +140,7 @@ class VirtualAllocator final : public Allocator {
 
   const std::shared_ptr<Device> device_;
   const std::size_t chunk_size_;
+  const int chunk_shift_;  // log2(chunk_size_) for a power of two, else -1: k without a divide
   const std::size_t small_threshold_;
   mutable std::mutex mutex_;
   PhysicalChunkPool pool_;

@@ -24,14 +24,33 @@ class HierarchicalBitmap {
   std::size_t size() const noexcept { return size_; }
   // Grows to hold at least `n` bits, keeping the bits set. Allocates; not on hot paths.
   void grow(std::size_t n);
-  void set(std::size_t i) noexcept;
-  void clear(std::size_t i) noexcept;
+  void set(std::size_t i) noexcept {
+    for (auto& bits : levels_) {
+      std::uint64_t& word = bits[i >> 6];
+      const bool was_zero = word == 0;
+      word |= std::uint64_t{1} << (i & 63);
+      if (!was_zero) return;  // the levels above already know this word is non-zero
+      i >>= 6;
+    }
+  }
+  void clear(std::size_t i) noexcept {
+    for (auto& bits : levels_) {
+      std::uint64_t& word = bits[i >> 6];
+      word &= ~(std::uint64_t{1} << (i & 63));
+      if (word != 0) return;
+      i >>= 6;
+    }
+  }
   bool test(std::size_t i) const noexcept {
     return i < size_ && (levels_[0][i >> 6] >> (i & 63) & 1u);
   }
   // The first set bit >= i, or npos.
   std::size_t find_next(std::size_t i) const noexcept {
-    return i < size_ ? find(0, i) : npos;
+    if (i >= size_) return npos;
+    // Fast path: a set bit in i's own word (exact and near fits).
+    const std::uint64_t here = levels_[0][i >> 6] & (~std::uint64_t{0} << (i & 63));
+    if (here != 0) return (i & ~std::size_t{63}) + static_cast<std::size_t>(__builtin_ctzll(here));
+    return find(0, i);
   }
 
  private:

@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "vmalloc/device.hpp"
@@ -29,8 +30,8 @@ inline constexpr std::uint32_t no_event = 0xFFFFFFFFu;
 // unmappable without waiting.
 struct PendingWork {
   stream_t stream = 0;
-  std::uint32_t event = no_event;  // index into the event pool, or no_event
   std::uint64_t seq = 0;           // free order: a later free on a stream covers earlier ones
+  std::uint32_t event = no_event;  // index into the event pool, or no_event
   bool idle = true;
 };
 
@@ -54,12 +55,23 @@ class StreamOrder {
 
   // The work of a free on `stream` now. Records an event when more than one stream is in use
   // (may throw DeviceError, e.g. an unknown stream, and then changes nothing).
-  PendingWork on_free(stream_t stream);
+  PendingWork on_free(stream_t stream) {
+    if (!multi_stream_ && have_first_ && stream == first_stream_) {  // the common case
+      PendingWork work;
+      work.stream = stream;
+      work.seq = ++seq_;
+      work.idle = false;
+      return work;
+    }
+    return on_free_slow(stream);
+  }
 
   // Makes memory with pending work `work` safe for new work on `stream`: nothing if idle or
   // the same stream; idle if its event has completed; otherwise `stream` waits on the event
   // (no host blocking). Throws DeviceError on a failed call; `work` stays valid.
-  void make_usable_on(PendingWork& work, stream_t stream);
+  void make_usable_on(PendingWork& work, stream_t stream) {
+    if (!free_on(work, stream)) make_usable_on_slow(work, stream);
+  }
   // True if `work` needs nothing before reuse on `stream` (no driver call).
   static bool free_on(const PendingWork& work, stream_t stream) noexcept {
     return work.idle || work.stream == stream;
@@ -73,12 +85,28 @@ class StreamOrder {
   static bool can_merge(const PendingWork& a, const PendingWork& b) noexcept {
     return a.idle || b.idle || a.stream == b.stream;
   }
-  // The work of a merge of `a` and `b` (can_merge true); consumes both.
-  PendingWork merge(PendingWork a, PendingWork b) noexcept;
+  // Merges `from` into `into` (can_merge true); consumes `from`.
+  void merge_into(PendingWork& into, PendingWork& from) noexcept {
+    if (from.idle) return;
+    if (into.idle) {
+      into = from;
+      from = PendingWork{};
+      return;
+    }
+    // Same stream: the later free's event captured everything queued before the earlier one.
+    if (into.seq < from.seq) std::swap(into, from);
+    drop(from);
+  }
   // A second owner of `work` (a split): shares its event.
-  PendingWork share(const PendingWork& work) noexcept;
+  PendingWork share(const PendingWork& work) noexcept {
+    if (work.event != no_event) ++slots_[work.event].refs;
+    return work;
+  }
   // Gives up `work`'s event reference; `work` becomes idle.
-  void drop(PendingWork& work) noexcept;
+  void drop(PendingWork& work) noexcept {
+    if (work.event != no_event) unref(work.event);
+    work = PendingWork{};
+  }
 
   std::size_t events_created() const noexcept { return slots_.size(); }
   std::size_t events_in_use() const noexcept { return slots_.size() - free_slots_.size(); }
@@ -94,7 +122,11 @@ class StreamOrder {
   bool settle_or_record(PendingWork& work);
   // A pooled event recorded on `stream` now, refcount 1. Throws DeviceError (pool unchanged).
   std::uint32_t record(stream_t stream);
-  void unref(std::uint32_t index) noexcept;
+  void unref(std::uint32_t index) noexcept {
+    if (--slots_[index].refs == 0) free_slots_.push_back(index);  // capacity reserved
+  }
+  PendingWork on_free_slow(stream_t stream);
+  void make_usable_on_slow(PendingWork& work, stream_t stream);
 
   std::shared_ptr<Device> device_;
   std::vector<Slot> slots_;
