@@ -33,6 +33,8 @@ DEVICE_KINDS = {
 ALLOCATOR_KINDS = {
     "virtual": ("VirtualAllocator", lambda device, **o: vmalloc.VirtualAllocator(device, **o)),
     "caching": ("CachingAllocator", lambda device, **o: vmalloc.CachingAllocator(device, **o)),
+    "virtual-packed": ("VirtualAllocator",
+                       lambda device, **o: vmalloc.VirtualAllocator(device, placement="packed", **o)),
 }
 
 

@@ -55,6 +55,55 @@ cdef extern from "vmalloc/virtual_allocator.hpp" namespace "vmalloc" nogil:
         size_t budget()
 
 
+cdef extern from "vmalloc/packed_virtual_allocator.hpp" namespace "vmalloc" nogil:
+    cdef cppclass PackedVirtualAllocatorOptions:
+        size_t chunk_size
+        size_t budget
+        size_t small_threshold
+        size_t reservation_size
+
+    cdef size_t packed_default_small_threshold \
+        "vmalloc::PackedVirtualAllocatorOptions::default_small_threshold"
+
+    cdef cppclass PackedStats:
+        size_t chunk_size
+        size_t small_threshold
+        size_t reservation_size
+        size_t budget_bytes
+        size_t chunks_held
+        size_t peak_chunks_held
+        size_t chunks_live
+        size_t chunks_free_mapped
+        size_t chunks_in_pool
+        size_t free_chunks
+        size_t live_blocks
+        size_t free_holes
+        size_t hole_bytes
+        size_t reservations
+        size_t reserved_address_bytes
+        size_t chunks_created
+        size_t chunks_released
+        size_t chunks_stolen
+        size_t fresh_placements
+        size_t events_created
+        bool multi_stream
+
+    cdef cppclass CPackedVirtualAllocator "vmalloc::PackedVirtualAllocator"(CAllocator):
+        @staticmethod
+        shared_ptr[CPackedVirtualAllocator] create(shared_ptr[CDevice] device,
+                                                   const PackedVirtualAllocatorOptions& options) \
+            except +vmalloc_raise_py_error
+        PackedStats packed_stats() except +vmalloc_raise_py_error
+        ChunkStats chunk_stats() except +vmalloc_raise_py_error
+        size_t chunk_size()
+        size_t small_threshold()
+        size_t reservation_size()
+        size_t budget()
+
+#: The placement policies of :class:`VirtualAllocator`.
+PLACEMENTS = ("chunks", "packed")
+
+
 cdef class VirtualAllocator(Allocator):
     """The paper's virtual-addressing allocator (Hayakawa & Narihira, section 4).
 
@@ -72,17 +121,38 @@ cdef class VirtualAllocator(Allocator):
         budget: the most bytes of chunks held at once (at least one chunk), or ``None`` for no
             budget beyond the device's capacity.
         small_threshold: requests of at most this many bytes are sub-allocated; at most
-            ``chunk_size``; 0 disables sub-allocation. ``None``: ``chunk_size // 2``.
+            ``chunk_size``; 0 disables sub-allocation. ``None``: ``chunk_size // 2``. With
+            ``placement="packed"``: requests of at most this many bytes are packed in
+            reservations of their own (0: all together); ``None``: 1 MiB.
+        placement: ``"chunks"`` (the default): each request owns ``ceil(n / chunk_size)``
+            whole chunks. ``"packed"``: requests are packed back to back at 512-byte
+            granularity in large reservations and chunks back only the slots live blocks
+            overlap, so tensors share chunks (see "Packed placement" in
+            :doc:`virtual_allocator`).
+        reservation_size: ``placement="packed"`` only: virtual bytes per reservation
+            (``None``: 1 GiB); a larger request gets a reservation of its own size.
 
     Raises:
         vmalloc.InvalidArgumentError: for a chunk size that is zero or not a multiple of the
-            granularity, a budget below one chunk, or a threshold above a chunk.
+            granularity, a budget below one chunk, a threshold above a chunk (chunks
+            placement), an unknown placement, or ``reservation_size`` with chunks placement.
     """
 
     cdef shared_ptr[CVirtualAllocator] c_virtual
+    cdef shared_ptr[CPackedVirtualAllocator] c_packed
+    cdef readonly str placement
 
     def __init__(self, Device device not None, chunk_size=None, budget=None,
-                 small_threshold=None):
+                 small_threshold=None, placement="chunks", reservation_size=None):
+        if placement not in PLACEMENTS:
+            raise_invalid(f"placement must be one of {', '.join(map(repr, PLACEMENTS))}, "
+                          f"got {placement!r}")
+        if placement == "packed":
+            self._init_packed(device, chunk_size, budget, small_threshold, reservation_size)
+            return
+        if reservation_size is not None:
+            raise_invalid('reservation_size applies to placement="packed" only')
+        self.placement = placement
         cdef VirtualAllocatorOptions options
         options.chunk_size = 0 if chunk_size is None else parse_size(chunk_size, "chunk_size")
         if chunk_size is not None and options.chunk_size == 0:
@@ -96,21 +166,98 @@ cdef class VirtualAllocator(Allocator):
         self.c_allocator = static_pointer_cast[CAllocator, CVirtualAllocator](self.c_virtual)
         self.device = device
 
+    def _init_packed(self, Device device, chunk_size, budget, small_threshold,
+                     reservation_size):
+        cdef PackedVirtualAllocatorOptions options
+        options.chunk_size = 0 if chunk_size is None else parse_size(chunk_size, "chunk_size")
+        if chunk_size is not None and options.chunk_size == 0:
+            raise_invalid("chunk_size must be positive, got 0")
+        options.budget = 0 if budget is None else parse_size(budget, "budget")
+        if budget is not None and options.budget == 0:
+            raise_invalid("budget must be positive (None for no budget), got 0")
+        options.small_threshold = (packed_default_small_threshold if small_threshold is None
+                                   else parse_size(small_threshold, "small_threshold"))
+        options.reservation_size = (0 if reservation_size is None
+                                    else parse_size(reservation_size, "reservation_size"))
+        if reservation_size is not None and options.reservation_size == 0:
+            raise_invalid("reservation_size must be positive (None for 1 GiB), got 0")
+        self.placement = "packed"
+        self.c_packed = CPackedVirtualAllocator.create(device.c_device, options)
+        self.c_allocator = static_pointer_cast[CAllocator, CPackedVirtualAllocator](
+            self.c_packed)
+        self.device = device
+
     @property
     def chunk_size(self):
         """Bytes per physical chunk."""
+        if self.c_packed:
+            return self.c_packed.get().chunk_size()
         return self.c_virtual.get().chunk_size()
 
     @property
     def small_threshold(self):
-        """Requests of at most this many bytes are sub-allocated (0: none are)."""
+        """Requests of at most this many bytes are sub-allocated (0: none are); with packed
+        placement, packed apart from larger ones."""
+        if self.c_packed:
+            return self.c_packed.get().small_threshold()
         return self.c_virtual.get().small_threshold()
+
+    @property
+    def reservation_size(self):
+        """Virtual bytes per reservation (packed placement), or None (chunks placement)."""
+        if self.c_packed:
+            return self.c_packed.get().reservation_size()
+        return None
 
     @property
     def budget(self):
         """The most bytes of chunks held at once, or None."""
-        cdef size_t b = self.c_virtual.get().budget()
+        cdef size_t b = (self.c_packed.get().budget() if self.c_packed
+                         else self.c_virtual.get().budget())
         return None if b == 0 else b
+
+    def packed_stats(self):
+        """Detail of packed placement beyond :meth:`stats`, as a dict.
+
+        ``chunks_held`` (= ``chunks_live + chunks_free_mapped + chunks_in_pool``),
+        ``peak_chunks_held``, ``chunks_live`` (mapped slots some live block overlaps),
+        ``chunks_free_mapped`` (mapped slots no live block overlaps: reusable in place or
+        stolen), ``chunks_in_pool`` (unmapped, cached), ``free_chunks``, ``live_blocks``,
+        ``free_holes``, ``hole_bytes`` (free bytes inside reservations), ``reservations``,
+        ``reserved_address_bytes``, ``chunks_created``, ``chunks_released``,
+        ``chunks_stolen``, ``fresh_placements`` (blocks moved to a fresh chunk-aligned
+        reservation under memory pressure), ``events_created``, ``multi_stream``,
+        ``chunk_size``, ``small_threshold``, ``reservation_size``, ``budget_bytes``.
+
+        Raises:
+            vmalloc.InvalidArgumentError: with ``placement="chunks"``.
+        """
+        if not self.c_packed:
+            raise_invalid('packed_stats() needs placement="packed"; use chunk_stats()')
+        cdef PackedStats s = self.c_packed.get().packed_stats()
+        return {
+            "chunk_size": s.chunk_size,
+            "small_threshold": s.small_threshold,
+            "reservation_size": s.reservation_size,
+            "budget_bytes": s.budget_bytes,
+            "chunks_held": s.chunks_held,
+            "peak_chunks_held": s.peak_chunks_held,
+            "chunks_live": s.chunks_live,
+            "chunks_free_mapped": s.chunks_free_mapped,
+            "chunks_in_pool": s.chunks_in_pool,
+            "free_chunks": s.free_chunks,
+            "live_blocks": s.live_blocks,
+            "free_holes": s.free_holes,
+            "hole_bytes": s.hole_bytes,
+            "reservations": s.reservations,
+            "reserved_address_bytes": s.reserved_address_bytes,
+            "chunks_created": s.chunks_created,
+            "chunks_released": s.chunks_released,
+            "chunks_stolen": s.chunks_stolen,
+            "fresh_placements": s.fresh_placements,
+            "events_created": s.events_created,
+            "multi_stream": s.multi_stream,
+        }
 
     def chunk_stats(self):
         """Detail beyond :meth:`stats`, in chunks, as a dict.
@@ -125,8 +272,15 @@ cdef class VirtualAllocator(Allocator):
         ``chunks_created``, ``chunks_released``, ``chunks_stolen`` (remapped from cached
         ranges), ``events_created``, ``multi_stream``, ``chunk_size``, ``small_threshold``,
         ``budget_bytes``.
+
+        With ``placement="packed"`` the same keys describe slots: ``chunks_live`` are mapped
+        slots some live block overlaps, ``chunks_cached`` mapped slots none does,
+        ``cached_ranges`` the free holes, ``live_ranges`` the live blocks; there are no
+        arenas (``chunks_in_arenas``, ``live_blocks``, ``free_blocks`` are 0). See
+        :meth:`packed_stats`.
         """
-        cdef ChunkStats s = self.c_virtual.get().chunk_stats()
+        cdef ChunkStats s = (self.c_packed.get().chunk_stats() if self.c_packed
+                             else self.c_virtual.get().chunk_stats())
         return {
             "chunk_size": s.chunk_size,
             "small_threshold": s.small_threshold,

@@ -42,19 +42,19 @@ def _size(text):
 
 
 def _allocator_names(text):
-    from vmalloc.replay import ALLOCATOR_KINDS
+    from vmalloc.replay import ALLOCATOR_NAMES
 
     names = [n.strip() for n in text.split(",") if n.strip()]
     for n in names:
-        if n not in ALLOCATOR_KINDS:
+        if n not in ALLOCATOR_NAMES:
             raise argparse.ArgumentTypeError(
-                f"unknown allocator {n!r}; choose from {', '.join(ALLOCATOR_KINDS)}")
+                f"unknown allocator {n!r}; choose from {', '.join(ALLOCATOR_NAMES)}")
     return names
 
 
 def _add_run_options(p):
     p.add_argument("--allocator", "-a", dest="allocators", action="append",
-                   type=_allocator_names, metavar="{caching,virtual}",
+                   type=_allocator_names, metavar="{caching,virtual,virtual-packed}",
                    help="allocator to replay through; repeat (or separate with commas) for "
                         "several; default: caching and virtual")
     p.add_argument("--capacity", type=_size, metavar="SIZE",

@@ -29,6 +29,7 @@ from vmalloc.traces.events import BATCH_EVENTS, EVENT_DTYPE
 
 __all__ = [
     "ALLOCATOR_KINDS",
+    "ALLOCATOR_NAMES",
     "Replay",
     "ReplayResult",
     "Timeline",
@@ -40,8 +41,12 @@ __all__ = [
     "replay_once",
 ]
 
-#: The allocator kinds :func:`replay` builds by name.
+#: The allocator kinds :func:`replay` compares by default.
 ALLOCATOR_KINDS = ("caching", "virtual")
+
+#: Every allocator name :func:`replay` builds (``"virtual-packed"``: the virtual allocator
+#: with ``placement="packed"``).
+ALLOCATOR_NAMES = ALLOCATOR_KINDS + ("virtual-packed",)
 
 #: Traces up to this many events are kept in memory after their first read, so that the
 #: bisection's probes do not parse the file again (32 bytes an event: 128 MiB).
@@ -236,7 +241,8 @@ def make_allocator(kind, device, chunk_size=None, max_split_size=None, policy=No
 
     ``kind`` is ``"caching"`` (:class:`vmalloc.CachingAllocator`, which takes
     ``max_split_size`` and ``policy``), ``"virtual"`` (:class:`vmalloc.VirtualAllocator`,
-    which takes ``chunk_size``), or a callable ``kind(device) -> Allocator`` for anything
+    which takes ``chunk_size``), ``"virtual-packed"`` (the same with ``placement="packed"``),
+    or a callable ``kind(device) -> Allocator`` for anything
     else. Options that do not apply to the kind are ignored, so that one set of options
     serves a comparison.
     """
@@ -245,9 +251,11 @@ def make_allocator(kind, device, chunk_size=None, max_split_size=None, policy=No
     if callable(kind):
         return kind(device)
     options = {}
-    if kind == "virtual":
+    if kind in ("virtual", "virtual-packed"):
         if chunk_size is not None:
             options["chunk_size"] = chunk_size
+        if kind == "virtual-packed":
+            options["placement"] = "packed"
         return vmalloc.VirtualAllocator(device, **options)
     if kind == "caching":
         if max_split_size is not None:
@@ -256,13 +264,13 @@ def make_allocator(kind, device, chunk_size=None, max_split_size=None, policy=No
             options["policy"] = policy
         return vmalloc.CachingAllocator(device, **options)
     raise InvalidArgumentError(
-        f"unknown allocator {kind!r}; choose from {', '.join(ALLOCATOR_KINDS)}")
+        f"unknown allocator {kind!r}; choose from {', '.join(ALLOCATOR_NAMES)}")
 
 
 def _options(kind, chunk_size, max_split_size, policy):
     """The allocator options that apply to ``kind``, parsed."""
     options = {}
-    if chunk_size is not None and kind in ("virtual",):
+    if chunk_size is not None and kind in ("virtual", "virtual-packed"):
         options["chunk_size"] = parse_size(chunk_size, "chunk_size")
     if kind == "caching":
         if max_split_size is not None:

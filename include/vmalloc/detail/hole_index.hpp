@@ -1,0 +1,108 @@
+// The free holes of the packed allocator, indexed for best fit by (size, address).
+//
+// Holes up to `exact_units` blocks of 512 bytes sit in exact-size buckets (SizeBuckets: best
+// fit in a few find-first-set steps, no heap on the hit path). Larger holes, few by nature
+// (a reservation's untouched tail, the space of a freed huge tensor), sit in one intrusive
+// list scanned in full. Not thread-safe: the allocator's mutex guards it.
+#pragma once
+
+#include <cstddef>
+
+#include "vmalloc/detail/packed_space.hpp"
+#include "vmalloc/detail/size_buckets.hpp"
+#include "vmalloc/detail/stream_order.hpp"
+
+namespace vmalloc::detail {
+
+class HoleIndex {
+ public:
+  // Holes in one exact bucket examined for one the caller's stream may use at once.
+  static constexpr int scan = 8;
+
+  explicit HoleIndex(std::size_t exact_units) : exact_(exact_units) {
+    buckets_.reserve(exact_units);  // so insert() never allocates
+  }
+
+  void insert(PackedBlock* b) noexcept {
+    const std::size_t units = b->size / packed_block_bytes;
+    if (units < exact_) {
+      buckets_.insert(b, units);
+    } else {
+      b->bucket = exact_;
+      b->bucket_prev = nullptr;
+      b->bucket_next = large_;
+      if (large_ != nullptr) large_->bucket_prev = b;
+      large_ = b;
+      ++large_count_;
+    }
+    ++count_;
+  }
+
+  void remove(PackedBlock* b) noexcept {
+    if (b->bucket < exact_) {
+      buckets_.remove(b);
+    } else {
+      if (b->bucket_prev != nullptr) b->bucket_prev->bucket_next = b->bucket_next;
+      else large_ = b->bucket_next;
+      if (b->bucket_next != nullptr) b->bucket_next->bucket_prev = b->bucket_prev;
+      b->bucket_prev = b->bucket_next = nullptr;
+      --large_count_;
+    }
+    --count_;
+  }
+
+  // The best hole of at least `units` blocks: the smallest; among equal sizes one that
+  // `stream` may use at once, then the lowest address. nullptr if none fits.
+  PackedBlock* best_fit(std::size_t units, stream_t stream) const noexcept {
+    if (units < exact_) {
+      const std::size_t u = buckets_.best_fit(units);
+      if (u != buckets_.npos) {
+        PackedBlock* best = nullptr;
+        int n = 0;
+        for (PackedBlock* b = buckets_.head(u); b != nullptr && n < scan; b = b->bucket_next, ++n)
+          if (best == nullptr || better(b, best, stream)) best = b;
+        return best;
+      }
+    }
+    PackedBlock* best = nullptr;
+    for (PackedBlock* b = large_; b != nullptr; b = b->bucket_next) {
+      if (b->size / packed_block_bytes < units) continue;
+      if (best == nullptr || b->size < best->size ||
+          (b->size == best->size && better(b, best, stream)))
+        best = b;
+    }
+    return best;
+  }
+
+  std::size_t count() const noexcept { return count_; }
+  std::size_t large_count() const noexcept { return large_count_; }
+
+  template <typename F>
+  void for_each(F&& f) const {
+    buckets_.for_each(f);
+    for (PackedBlock* b = large_; b != nullptr; b = b->bucket_next) f(b);
+  }
+
+ private:
+  // Same size: usable at once on `stream` first, then the lower address (packs low, so
+  // that the top of the space empties and its chunks can be stolen).
+  static bool better(const PackedBlock* a, const PackedBlock* b, stream_t stream) noexcept {
+    const bool ua = StreamOrder::free_on(a->work, stream);
+    const bool ub = StreamOrder::free_on(b->work, stream);
+    if (ua != ub) return ua;
+    return address(a) < address(b);
+  }
+  static device_ptr address(const PackedBlock* b) noexcept;
+
+  const std::size_t exact_;
+  SizeBuckets<PackedBlock> buckets_;
+  PackedBlock* large_ = nullptr;
+  std::size_t large_count_ = 0;
+  std::size_t count_ = 0;
+};
+
+inline device_ptr HoleIndex::address(const PackedBlock* b) noexcept {
+  return b->reservation->base + b->offset;
+}
+
+}  // namespace vmalloc::detail

@@ -1,0 +1,173 @@
+// PackedVirtualAllocator: the virtual allocator with packed placement.
+//
+// VirtualAllocator gives a request of mr bytes k = ceil(mr / mc) whole chunks, so every
+// allocation wastes up to a chunk (a 2.25 MiB tensor holds 4 MiB). Here allocations are
+// packed back to back in large reservations of virtual address space at 512-byte granularity,
+// best fit by (size, address) over the free holes of all reservations, with free neighbours
+// merged and no segment boundaries inside a reservation. Physical chunks back only the chunk
+// slots that live blocks overlap: two 2.25 MiB tensors share 3 chunks.
+//
+// Backing a placed block: its unmapped slots get chunks from the pool's cache, else chunks
+// stolen from fully free mapped slots elsewhere (unmap + map + set_access is far cheaper than
+// cuMemCreate, and keeps reserved memory at what live blocks touch), else new chunks within
+// budget and capacity; one cuMemSetAccess per contiguous run. Freed slots stay mapped, so a
+// repeated pattern whose blocks land on mapped slots makes no memory-management driver call.
+// No out-of-memory while ceil(mr / mc) fully free chunks exist: when the best hole would need
+// more chunks than are free, the block goes to a fresh chunk-aligned reservation.
+//
+// Streams: see detail/stream_order.hpp; each hole keeps its freeing stream and work, holes of
+// different busy streams do not merge. Thread-safe: one mutex around every public method.
+// See docs/virtual_allocator.rst, "Packed placement".
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "vmalloc/allocator.hpp"
+#include "vmalloc/detail/flat_ptr_map.hpp"
+#include "vmalloc/detail/hole_index.hpp"
+#include "vmalloc/detail/node_pool.hpp"
+#include "vmalloc/detail/packed_space.hpp"
+#include "vmalloc/detail/stream_order.hpp"
+#include "vmalloc/physical_chunk_pool.hpp"
+#include "vmalloc/virtual_allocator.hpp"
+
+namespace vmalloc {
+
+struct PackedVirtualAllocatorOptions {
+  // Bytes per physical chunk; a positive multiple of the device granularity. 0 picks 2 MiB
+  // rounded up to a multiple of the granularity.
+  std::size_t chunk_size = 0;
+  // The most bytes of chunks held at once; 0 = no budget (the device's capacity limits).
+  std::size_t budget = 0;
+  // Requests of at most this many bytes are packed in reservations of their own, apart from
+  // larger ones, so that small long-lived blocks do not pin chunks among large tensors (as
+  // PyTorch's small pool). 0 packs everything together. default_small_threshold: 1 MiB.
+  static constexpr std::size_t default_small_threshold = static_cast<std::size_t>(-1);
+  std::size_t small_threshold = default_small_threshold;
+  // Virtual bytes per reservation (rounded up to chunks); a larger request gets its own size.
+  // 0 picks 1 GiB. Address space is cheap and packing is densest inside one reservation.
+  std::size_t reservation_size = 0;
+};
+
+// Detail beyond Stats (VirtualAllocator(placement="packed").packed_stats() in Python).
+struct PackedStats {
+  std::size_t chunk_size = 0;
+  std::size_t small_threshold = 0;
+  std::size_t reservation_size = 0;
+  std::size_t budget_bytes = 0;
+  std::size_t chunks_held = 0;          // live + free_mapped + in_pool
+  std::size_t peak_chunks_held = 0;
+  std::size_t chunks_live = 0;          // mapped slots some live block overlaps
+  std::size_t chunks_free_mapped = 0;   // mapped slots no live block overlaps
+  std::size_t chunks_in_pool = 0;       // unmapped, in the pool's cache
+  std::size_t free_chunks = 0;          // free_mapped + in_pool
+  std::size_t live_blocks = 0;
+  std::size_t free_holes = 0;
+  std::size_t hole_bytes = 0;           // free bytes inside reservations (mapped or not)
+  std::size_t reservations = 0;
+  std::size_t reserved_address_bytes = 0;
+  std::size_t chunks_created = 0;       // since construction
+  std::size_t chunks_released = 0;
+  std::size_t chunks_stolen = 0;        // unmapped from free slots and remapped elsewhere
+  std::size_t fresh_placements = 0;     // blocks moved to a fresh reservation under pressure
+  std::size_t events_created = 0;
+  bool multi_stream = false;
+};
+
+class PackedVirtualAllocator final : public Allocator {
+ public:
+  // Throws InvalidArgument for a null device, a chunk size that is zero or not a multiple of
+  // the device granularity, a budget below one chunk, or a reservation size above 2**56.
+  PackedVirtualAllocator(std::shared_ptr<Device> device,
+                         const PackedVirtualAllocatorOptions& options = {});
+  static std::shared_ptr<PackedVirtualAllocator> create(
+      std::shared_ptr<Device> device, const PackedVirtualAllocatorOptions& options = {});
+  // Waits for the device, unmaps everything, frees every reservation and releases every chunk.
+  ~PackedVirtualAllocator() override;
+
+  device_ptr allocate(std::size_t nbytes, stream_t stream) override;
+  void deallocate(device_ptr ptr, std::size_t nbytes, stream_t stream) override;
+  std::size_t release_cached() override;
+  Stats stats() const override;
+  void reset_peak_stats() override;
+  std::size_t allocation_size(device_ptr ptr) const override;
+  std::string name() const override { return "virtual-packed"; }
+  const std::shared_ptr<Device>& device() const override { return device_; }
+
+  PackedStats packed_stats() const;
+  // The same detail in VirtualAllocator's shape: live = chunks_live, cached =
+  // chunks_free_mapped, cached_ranges = free holes, live_ranges = live blocks, no arenas.
+  ChunkStats chunk_stats() const;
+  std::size_t chunk_size() const noexcept { return chunk_size_; }
+  std::size_t small_threshold() const noexcept { return small_threshold_; }
+  std::size_t reservation_size() const noexcept { return reservation_size_; }
+  std::size_t budget() const noexcept { return pool_.budget(); }
+
+ private:
+  using Block = detail::PackedBlock;
+  using Reservation = detail::PackedReservation;
+  struct Slot {
+    Reservation* reservation;
+    std::size_t index;
+  };
+
+  // All private members run with mutex_ held.
+  // A new reservation of at least `bytes` for holes of `kind`, one free hole. Throws.
+  Block* new_reservation(std::size_t bytes, int kind);
+  // Maps chunks into the unmapped slots [first, last] of `res` (pool cache, stolen, created).
+  // On failure nothing is mapped there and every chunk obtained is back in the pool (created
+  // ones released): reserved bytes as before.
+  void back_slots(Reservation* res, std::size_t first, std::size_t last, std::size_t need,
+                  std::size_t nbytes);
+  // Unmaps up to `need` fully free mapped slots outside [keep_first, keep_last] of `keep`
+  // into `out`, waiting for the work of the holes on them.
+  void steal(std::size_t need, const Reservation* keep, std::size_t keep_first,
+             std::size_t keep_last, std::vector<physical_handle>& out);
+  // Unmaps slots [first, last] of `res` (all mapped, no live block); chunks into `out`.
+  void unmap_slots(Reservation* res, std::size_t first, std::size_t last,
+                   std::vector<physical_handle>& out);
+  // Waits for the work of every hole overlapping slots [first, last] of `res`.
+  void synchronize_holes(Reservation* res, std::size_t first, std::size_t last);
+  // Puts a free block into the index, merged with free neighbours its stream allows.
+  void insert_hole(Block* b) noexcept;
+  // Frees a reservation with no live block and no mapped slot (not `keep`).
+  void drop_reservation_if_empty(Reservation* res, const Reservation* keep = nullptr);
+  std::size_t slot_first(const Block* b) const noexcept { return b->offset / chunk_size_; }
+  std::size_t slot_last(const Block* b) const noexcept {
+    return (b->offset + b->size - 1) / chunk_size_;
+  }
+  std::size_t free_mapped_in(const Reservation* res, std::size_t first,
+                             std::size_t last) const noexcept;
+  std::size_t unmapped_in(const Reservation* res, std::size_t first,
+                          std::size_t last) const noexcept;
+  [[noreturn]] void throw_out_of_memory(std::size_t nbytes, const std::string& why);
+  [[noreturn]] void throw_invalid_pointer(device_ptr ptr, const char* operation) const;
+  void count_allocation(std::size_t requested, std::size_t allocated) noexcept;
+  void count_deallocation(std::size_t requested, std::size_t allocated) noexcept;
+  void note_reserved() noexcept;
+  Stats stats_locked() const;
+
+  const std::shared_ptr<Device> device_;
+  const std::size_t chunk_size_;
+  const std::size_t small_threshold_;
+  const std::size_t reservation_size_;
+  mutable std::mutex mutex_;
+  PhysicalChunkPool pool_;
+  detail::StreamOrder order_;
+  detail::NodePool<Block> blocks_;
+  detail::HoleIndex holes_[2];  // [0]: small requests, [1]: the others
+  std::map<device_ptr, std::unique_ptr<Reservation>> reservations_;
+  detail::FlatPtrMap live_;     // live blocks by address
+  std::size_t live_slots_ = 0;  // mapped slots with live blocks
+  std::size_t free_mapped_ = 0; // mapped slots without
+  std::size_t stolen_ = 0;
+  std::size_t fresh_ = 0;
+  Stats stats_;  // requested/allocated/counts and their peaks; reserved kept by note_reserved
+};
+
+}  // namespace vmalloc

@@ -1,0 +1,640 @@
+#include "vmalloc/packed_virtual_allocator.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <iterator>
+#include <limits>
+#include <utility>
+
+#include "vmalloc/errors.hpp"
+
+namespace vmalloc {
+
+using detail::packed_block_bytes;
+using detail::PendingWork;
+using detail::StreamOrder;
+
+namespace {
+
+constexpr std::size_t default_chunk_size = std::size_t{2} << 20;
+constexpr std::size_t default_reservation_size = std::size_t{1} << 30;
+// PyTorch's small-pool limit: below it tensors are many, small and often long-lived.
+constexpr std::size_t default_small_threshold = std::size_t{1} << 20;
+// Holes up to 32 MiB get exact-size buckets (512 KiB of list heads per index).
+constexpr std::size_t exact_hole_units = (std::size_t{32} << 20) / packed_block_bytes;
+
+std::string hex(device_ptr p) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(p));
+  return buf;
+}
+
+const std::shared_ptr<Device>& require_device(const std::shared_ptr<Device>& device) {
+  if (!device) throw InvalidArgument("PackedVirtualAllocator: device is null");
+  return device;
+}
+
+std::size_t resolve_chunk_size(const Device& device, std::size_t chunk_size) {
+  const std::size_t g = device.granularity();
+  if (chunk_size == 0) {
+    if (g == 0) throw InvalidArgument("PackedVirtualAllocator: device " + device.name() +
+                                      " reports a granularity of 0");
+    return (default_chunk_size + g - 1) / g * g;
+  }
+  if (g == 0 || chunk_size % g != 0 || chunk_size > max_request_bytes ||
+      chunk_size % packed_block_bytes != 0)
+    throw InvalidArgument("PackedVirtualAllocator: chunk_size " + std::to_string(chunk_size) +
+                          " bytes is not a positive multiple of the granularity of device " +
+                          device.name() + " (" + std::to_string(g) + " bytes)");
+  return chunk_size;
+}
+
+std::size_t resolve_small_threshold(std::size_t threshold) {
+  if (threshold == PackedVirtualAllocatorOptions::default_small_threshold)
+    return default_small_threshold;
+  if (threshold > max_request_bytes)
+    throw InvalidArgument("PackedVirtualAllocator: small_threshold " + std::to_string(threshold) +
+                          " bytes exceeds the limit of 2**56 bytes");
+  return threshold;
+}
+
+std::size_t resolve_reservation_size(std::size_t chunk_size, std::size_t bytes) {
+  if (bytes == 0) bytes = std::max(default_reservation_size, chunk_size);
+  if (bytes > max_request_bytes)
+    throw InvalidArgument("PackedVirtualAllocator: reservation_size " + std::to_string(bytes) +
+                          " bytes exceeds the limit of 2**56 bytes");
+  return (bytes + chunk_size - 1) / chunk_size * chunk_size;
+}
+
+std::size_t saturating_add(std::size_t a, std::size_t b) {
+  return a > std::numeric_limits<std::size_t>::max() - b ? std::numeric_limits<std::size_t>::max()
+                                                         : a + b;
+}
+
+}  // namespace
+
+PackedVirtualAllocator::PackedVirtualAllocator(std::shared_ptr<Device> device,
+                                               const PackedVirtualAllocatorOptions& options)
+    : device_(require_device(device)),
+      chunk_size_(resolve_chunk_size(*device_, options.chunk_size)),
+      small_threshold_(resolve_small_threshold(options.small_threshold)),
+      reservation_size_(resolve_reservation_size(chunk_size_, options.reservation_size)),
+      pool_(device_, chunk_size_, options.budget),
+      order_(device_),
+      holes_{detail::HoleIndex(exact_hole_units), detail::HoleIndex(exact_hole_units)} {}
+
+std::shared_ptr<PackedVirtualAllocator> PackedVirtualAllocator::create(
+    std::shared_ptr<Device> device, const PackedVirtualAllocatorOptions& options) {
+  return std::make_shared<PackedVirtualAllocator>(std::move(device), options);
+}
+
+PackedVirtualAllocator::~PackedVirtualAllocator() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // Work queued on memory of ours must finish before it is unmapped.
+  try {
+    device_->synchronize();
+  } catch (...) {
+  }
+  for (auto& entry : reservations_) {
+    Reservation& res = *entry.second;
+    // One cuMemUnmap per maximal run of mapped slots.
+    for (std::size_t i = 0; i < res.slots;) {
+      if (res.handles[i] == 0) {
+        ++i;
+        continue;
+      }
+      std::size_t j = i;
+      while (j < res.slots && res.handles[j] != 0) ++j;
+      try {
+        device_->unmap(res.base + i * chunk_size_, (j - i) * chunk_size_);
+      } catch (...) {
+      }
+      i = j;
+    }
+    try {
+      device_->free_address(res.base, res.slots * chunk_size_);
+    } catch (...) {
+    }
+  }
+  // The pool's destructor releases every chunk; the stream order's destroys the events;
+  // the node pool frees the blocks.
+}
+
+// ---------------------------------------------------------------------------------------------
+// allocate
+
+device_ptr PackedVirtualAllocator::allocate(std::size_t nbytes, stream_t stream) {
+  if (nbytes == 0) return 0;  // PyTorch's and CuPy's convention: null, nothing counted
+  if (nbytes > max_request_bytes)
+    throw InvalidArgument("PackedVirtualAllocator.allocate: request of " +
+                          std::to_string(nbytes) + " bytes exceeds the limit of 2**56 bytes");
+  std::lock_guard<std::mutex> lock(mutex_);
+  live_.reserve_one();  // the only allocations on the hit path, and only while growing
+  Block* spare = blocks_.acquire();  // the split's remainder, if any
+  order_.note_stream(stream);
+  const std::size_t size = (nbytes + packed_block_bytes - 1) / packed_block_bytes * packed_block_bytes;
+  const int kind = nbytes <= small_threshold_ ? 0 : 1;
+
+  Reservation* created = nullptr;  // dropped again if this call fails
+  auto fail = [&]() noexcept {
+    if (created != nullptr) drop_reservation_if_empty(created);
+    blocks_.release(spare);
+  };
+
+  Block* h = holes_[kind].best_fit(size / packed_block_bytes, stream);
+  try {
+    if (h == nullptr) {
+      h = new_reservation(std::max(size, reservation_size_), kind);
+      created = h->reservation;
+    }
+    Reservation* res = h->reservation;
+    std::size_t first = h->offset / chunk_size_;
+    std::size_t last = (h->offset + size - 1) / chunk_size_;
+    std::size_t need = unmapped_in(res, first, last);
+    if (need > 0) {
+      const std::size_t in_pool = pool_.chunks_cached();
+      const std::size_t creatable = pool_.creatable_chunks();
+      const std::size_t stealable = free_mapped_ - free_mapped_in(res, first, last);
+      if (saturating_add(saturating_add(in_pool, stealable), creatable) < need) {
+        // The best hole needs more chunks than are free (it straddles unmapped slots, or
+        // would steal its own): a fresh chunk-aligned spot needs only ceil(size / mc).
+        const std::size_t k = (size + chunk_size_ - 1) / chunk_size_;
+        if (saturating_add(saturating_add(in_pool, free_mapped_), creatable) < k)
+          throw_out_of_memory(nbytes, std::to_string(in_pool + free_mapped_) +
+                                          " free chunks and " + std::to_string(creatable) +
+                                          " creatable");
+        if (created != nullptr) {  // cannot happen (a fresh hole needs exactly k); be safe
+          drop_reservation_if_empty(created);
+          created = nullptr;
+        }
+        h = new_reservation(k * chunk_size_, kind);
+        created = res = h->reservation;
+        first = 0;
+        last = k - 1;
+        need = k;
+        ++fresh_;
+      }
+    }
+    order_.make_usable_on(h->work, stream);  // may throw: nothing changed
+    if (need > 0) back_slots(res, first, last, need, nbytes);
+  } catch (...) {
+    fail();
+    throw;
+  }
+
+  // Commit: nothing below throws.
+  Reservation* res = h->reservation;
+  holes_[kind].remove(h);
+  if (h->size > size) {
+    Block* rest = spare;
+    spare = nullptr;
+    rest->reservation = res;
+    rest->offset = h->offset + size;
+    rest->size = h->size - size;
+    rest->requested = 0;
+    rest->free = true;
+    rest->work = order_.share(h->work);
+    rest->prev = h;
+    rest->next = h->next;
+    if (h->next != nullptr) h->next->prev = rest;
+    h->next = rest;
+    h->size = size;
+    // Its right neighbour is live or a hole it could not merge with before: no merge now.
+    holes_[kind].insert(rest);
+  }
+  order_.drop(h->work);
+  h->free = false;
+  h->requested = nbytes;
+  for (std::size_t s = slot_first(h), e = slot_last(h); s <= e; ++s) {
+    if (res->live[s]++ == 0) {
+      --free_mapped_;
+      ++live_slots_;
+    }
+  }
+  ++res->live_blocks;
+  const device_ptr p = res->address_of(h);
+  live_.insert(p, reinterpret_cast<std::uintptr_t>(h));
+  count_allocation(nbytes, size);
+  if (spare != nullptr) blocks_.release(spare);
+  return p;
+}
+
+PackedVirtualAllocator::Block* PackedVirtualAllocator::new_reservation(std::size_t bytes,
+                                                                       int kind) {
+  const std::size_t slots = (bytes + chunk_size_ - 1) / chunk_size_;
+  auto res = std::make_unique<Reservation>();
+  res->slots = slots;
+  res->kind = kind;
+  res->handles.assign(slots, 0);
+  res->live.assign(slots, 0);
+  Block* b = blocks_.acquire();
+  try {
+    res->base = device_->reserve(slots * chunk_size_, device_->granularity());
+  } catch (...) {
+    blocks_.release(b);
+    throw;
+  }
+  Reservation* r = res.get();
+  try {
+    reservations_.emplace(r->base, std::move(res));
+  } catch (...) {
+    try {
+      device_->free_address(r->base, slots * chunk_size_);
+    } catch (...) {
+    }
+    blocks_.release(b);
+    throw;
+  }
+  // Nodes come back from the pool as they were released: set every field.
+  b->reservation = r;
+  b->offset = 0;
+  b->size = slots * chunk_size_;
+  b->requested = 0;
+  b->prev = b->next = nullptr;
+  b->free = true;
+  b->work = PendingWork{};
+  r->first = b;
+  holes_[kind].insert(b);
+  return b;
+}
+
+void PackedVirtualAllocator::back_slots(Reservation* res, std::size_t first, std::size_t last,
+                                        std::size_t need, std::size_t nbytes) {
+  std::vector<physical_handle> chunks;
+  chunks.reserve(need);
+  std::vector<std::size_t> newly;  // slots this call mapped, ascending
+  newly.reserve(need);
+  std::size_t created_from = 0;  // chunks[created_from..] are new: released on failure
+  auto undo = [&]() noexcept {
+    // Unmap what this call mapped; a slot that will not unmap stays mapped, as a free slot.
+    // newly[i] holds chunks[i]; a chunk left mapped is zeroed out of `chunks`.
+    for (std::size_t i = 0; i < newly.size(); ++i) {
+      const std::size_t s = newly[i];
+      try {
+        device_->unmap(res->base + s * chunk_size_, chunk_size_);
+      } catch (...) {
+        chunks[i] = 0;
+        continue;
+      }
+      res->handles[s] = 0;
+      --res->mapped;
+      --free_mapped_;
+    }
+    for (std::size_t i = 0; i < chunks.size(); ++i) {
+      if (chunks[i] == 0) continue;
+      try {
+        if (i >= created_from) pool_.release(chunks[i]);
+        else pool_.give_back(chunks[i]);
+      } catch (...) {
+      }
+    }
+  };
+  try {
+    for (physical_handle h; chunks.size() < need && (h = pool_.take_cached()) != 0;)
+      chunks.push_back(h);
+    if (chunks.size() < need) steal(need - chunks.size(), res, first, last, chunks);
+    created_from = chunks.size();
+    while (chunks.size() < need) {
+      try {
+        chunks.push_back(pool_.create());
+      } catch (const OutOfMemory&) {
+        throw_out_of_memory(nbytes, "the device refused a chunk it reported creatable");
+      }
+    }
+    note_reserved();
+    for (std::size_t s = first; s <= last; ++s) {
+      if (res->handles[s] != 0) continue;
+      const physical_handle h = chunks[newly.size()];
+      device_->map(res->base + s * chunk_size_, chunk_size_, h);
+      res->handles[s] = h;
+      ++res->mapped;
+      ++free_mapped_;
+      newly.push_back(s);
+    }
+    // One cuMemSetAccess per contiguous run of newly mapped slots.
+    for (std::size_t i = 0; i < newly.size();) {
+      std::size_t j = i;
+      while (j + 1 < newly.size() && newly[j + 1] == newly[j] + 1) ++j;
+      device_->set_access(res->base + newly[i] * chunk_size_, (j - i + 1) * chunk_size_);
+      i = j + 1;
+    }
+  } catch (...) {
+    undo();
+    throw;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// stealing and unmapping
+
+void PackedVirtualAllocator::steal(std::size_t need, const Reservation* keep,
+                                   std::size_t keep_first, std::size_t keep_last,
+                                   std::vector<physical_handle>& out) {
+  auto victim = [&](const Reservation* r, std::size_t s) {
+    return r->handles[s] != 0 && r->live[s] == 0 &&
+           !(r == keep && s >= keep_first && s <= keep_last);
+  };
+  std::vector<Reservation*> emptied;
+  // Highest addresses first: placement packs low, so the top is the least likely reused.
+  for (auto it = reservations_.rbegin(); it != reservations_.rend() && need > 0; ++it) {
+    Reservation* r = it->second.get();
+    if (r->mapped == 0) continue;
+    for (std::size_t s = r->slots; s > 0 && need > 0;) {
+      --s;
+      if (!victim(r, s)) continue;
+      std::size_t lo = s;
+      while (lo > 0 && s - lo + 1 < need && victim(r, lo - 1)) --lo;
+      synchronize_holes(r, lo, s);  // may throw: nothing unmapped for this run
+      unmap_slots(r, lo, s, out);   // may throw: same
+      need -= s - lo + 1;
+      stolen_ += s - lo + 1;
+      s = lo;
+    }
+    if (r->mapped == 0 && r->live_blocks == 0) emptied.push_back(r);
+  }
+  for (Reservation* r : emptied) drop_reservation_if_empty(r, keep);
+}
+
+void PackedVirtualAllocator::synchronize_holes(Reservation* res, std::size_t first,
+                                               std::size_t last) {
+  const std::size_t lo = first * chunk_size_, hi = (last + 1) * chunk_size_;
+  for (Block* b = res->first; b != nullptr && b->offset < hi; b = b->next)
+    if (b->free && b->end() > lo) order_.synchronize(b->work);
+}
+
+void PackedVirtualAllocator::unmap_slots(Reservation* res, std::size_t first, std::size_t last,
+                                         std::vector<physical_handle>& out) {
+  const std::size_t n = last - first + 1;
+  device_->unmap(res->base + first * chunk_size_, n * chunk_size_);  // may throw: unchanged
+  for (std::size_t s = first; s <= last; ++s) {
+    out.push_back(res->handles[s]);  // capacity reserved by the caller
+    res->handles[s] = 0;
+  }
+  res->mapped -= n;
+  free_mapped_ -= n;
+}
+
+void PackedVirtualAllocator::drop_reservation_if_empty(Reservation* res, const Reservation* keep) {
+  if (res == keep || res->mapped != 0 || res->live_blocks != 0) return;
+  try {
+    device_->free_address(res->base, res->slots * chunk_size_);
+  } catch (...) {
+    return;  // kept (empty) and retried by release_cached() and the destructor
+  }
+  for (Block* b = res->first; b != nullptr;) {
+    Block* next = b->next;
+    holes_[res->kind].remove(b);
+    order_.drop(b->work);
+    blocks_.release(b);
+    b = next;
+  }
+  reservations_.erase(res->base);
+}
+
+std::size_t PackedVirtualAllocator::free_mapped_in(const Reservation* res, std::size_t first,
+                                                   std::size_t last) const noexcept {
+  std::size_t n = 0;
+  for (std::size_t s = first; s <= last; ++s) n += res->handles[s] != 0 && res->live[s] == 0;
+  return n;
+}
+
+std::size_t PackedVirtualAllocator::unmapped_in(const Reservation* res, std::size_t first,
+                                                std::size_t last) const noexcept {
+  std::size_t n = 0;
+  for (std::size_t s = first; s <= last; ++s) n += res->handles[s] == 0;
+  return n;
+}
+
+// ---------------------------------------------------------------------------------------------
+// deallocate
+
+void PackedVirtualAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t stream) {
+  if (ptr == 0) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::uintptr_t v = live_.find(ptr);
+  if (v == 0) throw_invalid_pointer(ptr, "deallocate");
+  Block* b = reinterpret_cast<Block*>(v);
+  if (nbytes != unknown_size && nbytes != b->requested)
+    throw InvalidArgument("PackedVirtualAllocator.deallocate: nbytes " + std::to_string(nbytes) +
+                          " differs from the " + std::to_string(b->requested) +
+                          " bytes allocated at " + hex(ptr));
+  const PendingWork work = order_.on_free(stream);  // may throw: nothing changed
+  live_.erase(ptr);
+  count_deallocation(b->requested, b->size);
+  Reservation* res = b->reservation;
+  for (std::size_t s = slot_first(b), e = slot_last(b); s <= e; ++s) {
+    if (--res->live[s] == 0) {  // the slot stays mapped: a fully free chunk
+      --live_slots_;
+      ++free_mapped_;
+    }
+  }
+  --res->live_blocks;
+  b->free = true;
+  b->requested = 0;
+  b->work = work;
+  insert_hole(b);
+}
+
+void PackedVirtualAllocator::insert_hole(Block* b) noexcept {
+  Reservation* res = b->reservation;
+  detail::HoleIndex& index = holes_[res->kind];
+  Block* left = b->prev;
+  if (left != nullptr && left->free && StreamOrder::can_merge(left->work, b->work)) {
+    index.remove(left);
+    order_.merge_into(b->work, left->work);
+    b->offset = left->offset;
+    b->size += left->size;
+    b->prev = left->prev;
+    if (left->prev != nullptr) left->prev->next = b;
+    else res->first = b;
+    blocks_.release(left);
+  }
+  Block* right = b->next;
+  if (right != nullptr && right->free && StreamOrder::can_merge(b->work, right->work)) {
+    index.remove(right);
+    order_.merge_into(b->work, right->work);
+    b->size += right->size;
+    b->next = right->next;
+    if (right->next != nullptr) right->next->prev = b;
+    blocks_.release(right);
+  }
+  index.insert(b);
+}
+
+// ---------------------------------------------------------------------------------------------
+// release_cached
+
+std::size_t PackedVirtualAllocator::release_cached() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<physical_handle> handles;
+  std::vector<Reservation*> all;
+  for (auto& e : reservations_) all.push_back(e.second.get());
+  for (Reservation* r : all) {
+    for (std::size_t s = 0; s < r->slots;) {
+      if (r->handles[s] == 0 || r->live[s] != 0) {
+        ++s;
+        continue;
+      }
+      std::size_t e = s;
+      while (e + 1 < r->slots && r->handles[e + 1] != 0 && r->live[e + 1] == 0) ++e;
+      synchronize_holes(r, s, e);
+      handles.clear();
+      handles.reserve(e - s + 1);
+      unmap_slots(r, s, e, handles);
+      for (physical_handle h : handles) pool_.give_back(h);
+      s = e + 1;
+    }
+  }
+  for (Reservation* r : all) drop_reservation_if_empty(r);
+  return pool_.release_cached();
+}
+
+// ---------------------------------------------------------------------------------------------
+// accounting and introspection
+
+void PackedVirtualAllocator::count_allocation(std::size_t requested,
+                                              std::size_t allocated) noexcept {
+  Stats& s = stats_;
+  s.requested_bytes += requested;
+  s.allocated_bytes += allocated;
+  ++s.live_allocations;
+  ++s.total_allocations;
+  s.peak_requested_bytes = std::max(s.peak_requested_bytes, s.requested_bytes);
+  s.peak_allocated_bytes = std::max(s.peak_allocated_bytes, s.allocated_bytes);
+  s.peak_internal_fragmentation_bytes =
+      std::max(s.peak_internal_fragmentation_bytes, s.allocated_bytes - s.requested_bytes);
+  s.peak_live_allocations = std::max(s.peak_live_allocations, s.live_allocations);
+}
+
+void PackedVirtualAllocator::count_deallocation(std::size_t requested,
+                                                std::size_t allocated) noexcept {
+  stats_.requested_bytes -= requested;
+  stats_.allocated_bytes -= allocated;
+  --stats_.live_allocations;
+  ++stats_.total_deallocations;
+}
+
+void PackedVirtualAllocator::note_reserved() noexcept {
+  stats_.peak_reserved_bytes =
+      std::max(stats_.peak_reserved_bytes, pool_.chunks_held() * chunk_size_);
+}
+
+Stats PackedVirtualAllocator::stats_locked() const {
+  Stats s = stats_;
+  s.reserved_bytes = pool_.chunks_held() * chunk_size_;
+  s.peak_reserved_bytes = std::max(s.peak_reserved_bytes, s.reserved_bytes);
+  s.cached_bytes = s.reserved_bytes - s.allocated_bytes;
+  s.internal_fragmentation_bytes = s.allocated_bytes - s.requested_bytes;
+  return s;
+}
+
+Stats PackedVirtualAllocator::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stats_locked();
+}
+
+void PackedVirtualAllocator::reset_peak_stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Stats& s = stats_;
+  s.peak_requested_bytes = s.requested_bytes;
+  s.peak_allocated_bytes = s.allocated_bytes;
+  s.peak_internal_fragmentation_bytes = s.allocated_bytes - s.requested_bytes;
+  s.peak_live_allocations = s.live_allocations;
+  s.peak_reserved_bytes = pool_.chunks_held() * chunk_size_;
+}
+
+std::size_t PackedVirtualAllocator::allocation_size(device_ptr ptr) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::uintptr_t v = ptr == 0 ? 0 : live_.find(ptr);
+  if (v == 0) throw_invalid_pointer(ptr, "allocation_size");
+  return reinterpret_cast<const Block*>(v)->requested;
+}
+
+PackedStats PackedVirtualAllocator::packed_stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const ChunkPoolStats p = pool_.stats();
+  PackedStats s;
+  s.chunk_size = chunk_size_;
+  s.small_threshold = small_threshold_;
+  s.reservation_size = reservation_size_;
+  s.budget_bytes = p.budget_bytes;
+  s.chunks_held = p.chunks_held;
+  s.peak_chunks_held = p.peak_chunks_held;
+  s.chunks_live = live_slots_;
+  s.chunks_free_mapped = free_mapped_;
+  s.chunks_in_pool = p.chunks_cached;
+  s.free_chunks = free_mapped_ + p.chunks_cached;
+  s.live_blocks = stats_.live_allocations;
+  s.free_holes = holes_[0].count() + holes_[1].count();
+  for (const auto& e : reservations_) {
+    s.reserved_address_bytes += e.second->slots * chunk_size_;
+    for (const Block* b = e.second->first; b != nullptr; b = b->next)
+      if (b->free) s.hole_bytes += b->size;
+  }
+  s.reservations = reservations_.size();
+  s.chunks_created = p.chunks_created;
+  s.chunks_released = p.chunks_released;
+  s.chunks_stolen = stolen_;
+  s.fresh_placements = fresh_;
+  s.events_created = order_.events_created();
+  s.multi_stream = order_.multi_stream();
+  return s;
+}
+
+ChunkStats PackedVirtualAllocator::chunk_stats() const {
+  const PackedStats p = packed_stats();
+  ChunkStats s;
+  s.chunk_size = p.chunk_size;
+  s.small_threshold = p.small_threshold;
+  s.budget_bytes = p.budget_bytes;
+  s.chunks_held = p.chunks_held;
+  s.peak_chunks_held = p.peak_chunks_held;
+  s.chunks_live = p.chunks_live;
+  s.chunks_cached = p.chunks_free_mapped;
+  s.chunks_in_pool = p.chunks_in_pool;
+  s.free_chunks = p.free_chunks;
+  s.cached_ranges = p.free_holes;
+  s.live_ranges = p.live_blocks;
+  s.reservations = p.reservations;
+  s.reserved_address_bytes = p.reserved_address_bytes;
+  s.chunks_created = p.chunks_created;
+  s.chunks_released = p.chunks_released;
+  s.chunks_stolen = p.chunks_stolen;
+  s.events_created = p.events_created;
+  s.multi_stream = p.multi_stream;
+  return s;
+}
+
+void PackedVirtualAllocator::throw_out_of_memory(std::size_t nbytes, const std::string& why) {
+  ++stats_.out_of_memory_count;
+  const std::size_t k = (nbytes + chunk_size_ - 1) / chunk_size_;
+  const Stats s = stats_locked();
+  throw OutOfMemory("PackedVirtualAllocator: out of memory allocating " +
+                        std::to_string(nbytes) + " bytes (at most " + std::to_string(k) +
+                        " chunk" + (k == 1 ? "" : "s") + " of " + std::to_string(chunk_size_) +
+                        " bytes) on " + device_->name() + ": " + why + "; " + s.summary(),
+                    nbytes, s.summary());
+}
+
+void PackedVirtualAllocator::throw_invalid_pointer(device_ptr ptr, const char* operation) const {
+  std::string why = "not allocated by this allocator";
+  auto it = reservations_.upper_bound(ptr);
+  if (ptr != 0 && it != reservations_.begin()) {
+    const Reservation& res = *std::prev(it)->second;
+    if (ptr < res.base + res.slots * chunk_size_) {
+      const std::size_t off = ptr - res.base;
+      const Block* b = res.first;
+      while (b != nullptr && b->end() <= off) b = b->next;
+      if (b != nullptr && !b->free)
+        why = "an interior pointer: offset " + std::to_string(off - b->offset) +
+              " into the live allocation at " + hex(res.address_of(b)) + " of " +
+              std::to_string(b->requested) + " bytes";
+      else
+        why = "not a live allocation (free memory of this allocator: already freed?)";
+    }
+  }
+  throw InvalidPointer(std::string("PackedVirtualAllocator.") + operation + ": pointer " +
+                       hex(ptr) + " is " + why);
+}
+
+}  // namespace vmalloc
