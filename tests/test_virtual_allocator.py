@@ -642,3 +642,23 @@ def test_destruction_returns_everything_to_the_device():
     state = dev.state()
     assert (state["physical_allocations"], state["reservations"], state["mappings"],
             state["events"]) == (0, 0, 0, 0)
+
+
+# --- the benchmark (counts only: timings are never asserted) -------------------------------
+
+def test_bench_reports_zero_steady_state_calls(capsys):
+    import json
+
+    from vmalloc import bench
+
+    assert bench.main(["--quick", "--json", "--allocator", "virtual", "--sizes", "4KiB,3MiB"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert [h["nbytes"] for h in results["hit"]] == [4 * KiB, 3 * MiB]
+    assert all(h["cpp_ns_per_pair"] > 0 and h["python_ns_per_pair"] > 0 for h in results["hit"])
+    (run,) = results["pattern"]
+    first, *steady = run["iterations"]
+    assert first["memory_management_calls"] > 0 and first["modeled_seconds"] > 0
+    assert [r["memory_management_calls"] for r in steady] == [0] * len(steady)
+    assert [r["modeled_seconds"] for r in steady] == [0.0] * len(steady)
+    assert bench.main(["--quick", "--allocator", "virtual"]) == 0
+    assert "training-like pattern" in capsys.readouterr().out
