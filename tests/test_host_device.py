@@ -635,3 +635,34 @@ class HostDeviceMachine(RuleBasedStateMachine):
 TestHostDeviceMachine = HostDeviceMachine.TestCase
 TestHostDeviceMachine.settings = settings(max_examples=40, stateful_step_count=40,
                                           deadline=None)
+
+
+# --- destruction --------------------------------------------------------------------------
+
+def _own_resources():
+    """(open file descriptors, memory maps of a HostDevice's memfd) of this process."""
+    import os
+
+    fds = len(os.listdir("/proc/self/fd"))
+    with open("/proc/self/maps") as maps:
+        memfd_maps = sum("vmalloc-host" in line for line in maps)
+    return fds, memfd_maps
+
+
+def test_destruction_unmaps_and_closes_everything():
+    import gc
+
+    gc.collect()
+    before = _own_resources()
+    before_vmas = HostDevice.process_vmas()
+    dev = HostDevice(ordinal=7)
+    p, _ = mapped(dev, 4 * G)
+    dev.write(p, b"x" * 100)
+    dev.host_alloc(4096)
+    s = dev.create_stream()
+    dev.copy_device(p + G, p, G, s)
+    assert _own_resources()[1] >= 1
+    del dev
+    gc.collect()
+    assert _own_resources() == before
+    assert HostDevice.process_vmas() == before_vmas
