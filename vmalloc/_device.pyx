@@ -254,17 +254,27 @@ cdef class Device:
 
     def copy_to_device(self, uintptr_t dst, uintptr_t src, nbytes, stream=0):
         """cuMemcpyHtoDAsync from host address ``src`` (keep it alive until done)."""
-        self.get().copy_to_device(dst, <const void*>src, parse_size(nbytes, "nbytes"),
-                                  stream_handle(stream))
+        cdef size_t n = parse_size(nbytes, "nbytes")
+        cdef uintptr_t s = stream_handle(stream)
+        cdef CDevice* d = self.get()
+        with nogil:  # a pageable source makes the call wait for the copy
+            d.copy_to_device(dst, <const void*>src, n, s)
 
     def copy_to_host(self, uintptr_t dst, uintptr_t src, nbytes, stream=0):
         """cuMemcpyDtoHAsync to host address ``dst`` (keep it alive until done)."""
-        self.get().copy_to_host(<void*>dst, src, parse_size(nbytes, "nbytes"),
-                                stream_handle(stream))
+        cdef size_t n = parse_size(nbytes, "nbytes")
+        cdef uintptr_t s = stream_handle(stream)
+        cdef CDevice* d = self.get()
+        with nogil:  # a pageable destination makes the call wait for the copy
+            d.copy_to_host(<void*>dst, src, n, s)
 
     def copy_device(self, uintptr_t dst, uintptr_t src, nbytes, stream=0):
         """cuMemcpyDtoDAsync."""
-        self.get().copy_device(dst, src, parse_size(nbytes, "nbytes"), stream_handle(stream))
+        cdef size_t n = parse_size(nbytes, "nbytes")
+        cdef uintptr_t s = stream_handle(stream)
+        cdef CDevice* d = self.get()
+        with nogil:
+            d.copy_device(dst, src, n, s)
 
     def __repr__(self):
         if not self.c_device:
