@@ -79,6 +79,7 @@ PackedVirtualAllocator::PackedVirtualAllocator(std::shared_ptr<Device> device,
       chunk_size_(resolve_chunk_size(*device_, options.chunk_size)),
       small_threshold_(resolve_small_threshold(options.small_threshold)),
       reservation_size_(resolve_reservation_size(chunk_size_, options.reservation_size)),
+      steal_before_create_(options.steal_before_create),
       pool_(device_, chunk_size_, options.budget),
       order_(device_),
       holes_{detail::HoleIndex(exact_hole_units), detail::HoleIndex(exact_hole_units)} {}
@@ -265,7 +266,14 @@ void PackedVirtualAllocator::back_slots(Reservation* res, std::size_t first, std
   std::vector<std::size_t> newly;  // slots this call mapped, ascending
   newly.reserve(need);
   std::size_t created_from = 0;  // chunks[created_from..] are new: released on failure
+  std::vector<physical_handle> stolen;  // create-first: stolen after creating, then moved
   auto undo = [&]() noexcept {
+    for (physical_handle h : stolen) {
+      try {
+        pool_.give_back(h);
+      } catch (...) {
+      }
+    }
     // Unmap what this call mapped; a slot that will not unmap stays mapped, as a free slot.
     // newly[i] holds chunks[i]; a chunk left mapped is zeroed out of `chunks`.
     for (std::size_t i = 0; i < newly.size(); ++i) {
@@ -292,15 +300,28 @@ void PackedVirtualAllocator::back_slots(Reservation* res, std::size_t first, std
   try {
     for (physical_handle h; chunks.size() < need && (h = pool_.take_cached()) != 0;)
       chunks.push_back(h);
-    if (chunks.size() < need) steal(need - chunks.size(), res, first, last, chunks);
+    if (steal_before_create_ && chunks.size() < need)
+      steal(need - chunks.size(), res, first, last, chunks);
     created_from = chunks.size();
-    while (chunks.size() < need) {
+    for (std::size_t want = std::min(need - chunks.size(), pool_.creatable_chunks()); want > 0;
+         --want) {
       try {
         chunks.push_back(pool_.create());
       } catch (const OutOfMemory&) {
-        throw_out_of_memory(nbytes, "the device refused a chunk it reported creatable");
+        break;  // the device is fuller than it said (shared with others): steal instead
       }
     }
+    if (chunks.size() < need) {
+      // Stolen chunks go before the created ones, which a failure releases.
+      stolen.reserve(need - chunks.size());
+      steal(need - chunks.size(), res, first, last, stolen);
+      chunks.insert(chunks.begin() + static_cast<std::ptrdiff_t>(created_from), stolen.begin(),
+                    stolen.end());  // within the reserved capacity: no allocation
+      created_from += stolen.size();
+      stolen.clear();
+    }
+    if (chunks.size() < need)
+      throw_out_of_memory(nbytes, "the device refused chunks it reported creatable");
     note_reserved();
     for (std::size_t s = first; s <= last; ++s) {
       if (res->handles[s] != 0) continue;
@@ -557,6 +578,7 @@ PackedStats PackedVirtualAllocator::packed_stats() const {
   s.chunk_size = chunk_size_;
   s.small_threshold = small_threshold_;
   s.reservation_size = reservation_size_;
+  s.steal_before_create = steal_before_create_;
   s.budget_bytes = p.budget_bytes;
   s.chunks_held = p.chunks_held;
   s.peak_chunks_held = p.peak_chunks_held;

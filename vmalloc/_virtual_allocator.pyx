@@ -61,6 +61,7 @@ cdef extern from "vmalloc/packed_virtual_allocator.hpp" namespace "vmalloc" nogi
         size_t budget
         size_t small_threshold
         size_t reservation_size
+        bool steal_before_create
 
     cdef size_t packed_default_small_threshold \
         "vmalloc::PackedVirtualAllocatorOptions::default_small_threshold"
@@ -69,6 +70,7 @@ cdef extern from "vmalloc/packed_virtual_allocator.hpp" namespace "vmalloc" nogi
         size_t chunk_size
         size_t small_threshold
         size_t reservation_size
+        bool steal_before_create
         size_t budget_bytes
         size_t chunks_held
         size_t peak_chunks_held
@@ -98,6 +100,7 @@ cdef extern from "vmalloc/packed_virtual_allocator.hpp" namespace "vmalloc" nogi
         size_t chunk_size()
         size_t small_threshold()
         size_t reservation_size()
+        bool steal_before_create()
         size_t budget()
 
 #: The placement policies of :class:`VirtualAllocator`.
@@ -131,11 +134,17 @@ cdef class VirtualAllocator(Allocator):
             :doc:`virtual_allocator`).
         reservation_size: ``placement="packed"`` only: virtual bytes per reservation
             (``None``: 1 GiB); a larger request gets a reservation of its own size.
+        steal_before_create: ``placement="packed"`` only. ``True`` (the default): chunks
+            for newly touched slots are stolen from fully free mapped slots before new ones
+            are created, so reserved memory stays at the peak of what live blocks touch.
+            ``False``: new chunks first, stealing only at the budget or the capacity, so that
+            every slot a repeated pattern touches stays mapped and the pattern makes no driver
+            call after warm-up (the smallest device that runs a workload is the same).
 
     Raises:
         vmalloc.InvalidArgumentError: for a chunk size that is zero or not a multiple of the
             granularity, a budget below one chunk, a threshold above a chunk (chunks
-            placement), an unknown placement, or ``reservation_size`` with chunks placement.
+            placement), an unknown placement, or a packed-only option with chunks placement.
     """
 
     cdef shared_ptr[CVirtualAllocator] c_virtual
@@ -143,15 +152,18 @@ cdef class VirtualAllocator(Allocator):
     cdef readonly str placement
 
     def __init__(self, Device device not None, chunk_size=None, budget=None,
-                 small_threshold=None, placement="chunks", reservation_size=None):
+                 small_threshold=None, placement="chunks", reservation_size=None,
+                 steal_before_create=None):
         if placement not in PLACEMENTS:
             raise_invalid(f"placement must be one of {', '.join(map(repr, PLACEMENTS))}, "
                           f"got {placement!r}")
         if placement == "packed":
-            self._init_packed(device, chunk_size, budget, small_threshold, reservation_size)
+            self._init_packed(device, chunk_size, budget, small_threshold, reservation_size,
+                              True if steal_before_create is None else steal_before_create)
             return
-        if reservation_size is not None:
-            raise_invalid('reservation_size applies to placement="packed" only')
+        if reservation_size is not None or steal_before_create is not None:
+            raise_invalid('reservation_size and steal_before_create apply to '
+                          'placement="packed" only')
         self.placement = placement
         cdef VirtualAllocatorOptions options
         options.chunk_size = 0 if chunk_size is None else parse_size(chunk_size, "chunk_size")
@@ -167,7 +179,7 @@ cdef class VirtualAllocator(Allocator):
         self.device = device
 
     def _init_packed(self, Device device, chunk_size, budget, small_threshold,
-                     reservation_size):
+                     reservation_size, steal_before_create):
         cdef PackedVirtualAllocatorOptions options
         options.chunk_size = 0 if chunk_size is None else parse_size(chunk_size, "chunk_size")
         if chunk_size is not None and options.chunk_size == 0:
@@ -181,6 +193,9 @@ cdef class VirtualAllocator(Allocator):
                                     else parse_size(reservation_size, "reservation_size"))
         if reservation_size is not None and options.reservation_size == 0:
             raise_invalid("reservation_size must be positive (None for 1 GiB), got 0")
+        if steal_before_create is not True and steal_before_create is not False:
+            raise TypeError(f"steal_before_create must be a bool, got {steal_before_create!r}")
+        options.steal_before_create = steal_before_create
         self.placement = "packed"
         self.c_packed = CPackedVirtualAllocator.create(device.c_device, options)
         self.c_allocator = static_pointer_cast[CAllocator, CPackedVirtualAllocator](
@@ -210,6 +225,14 @@ cdef class VirtualAllocator(Allocator):
         return None
 
     @property
+    def steal_before_create(self):
+        """Packed placement: whether free mapped chunks are stolen before new ones are
+        created; None with chunks placement."""
+        if self.c_packed:
+            return self.c_packed.get().steal_before_create()
+        return None
+
+    @property
     def budget(self):
         """The most bytes of chunks held at once, or None."""
         cdef size_t b = (self.c_packed.get().budget() if self.c_packed
@@ -227,7 +250,8 @@ cdef class VirtualAllocator(Allocator):
         ``reserved_address_bytes``, ``chunks_created``, ``chunks_released``,
         ``chunks_stolen``, ``fresh_placements`` (blocks moved to a fresh chunk-aligned
         reservation under memory pressure), ``events_created``, ``multi_stream``,
-        ``chunk_size``, ``small_threshold``, ``reservation_size``, ``budget_bytes``.
+        ``chunk_size``, ``small_threshold``, ``reservation_size``, ``steal_before_create``,
+        ``budget_bytes``.
 
         Raises:
             vmalloc.InvalidArgumentError: with ``placement="chunks"``.
@@ -239,6 +263,7 @@ cdef class VirtualAllocator(Allocator):
             "chunk_size": s.chunk_size,
             "small_threshold": s.small_threshold,
             "reservation_size": s.reservation_size,
+            "steal_before_create": s.steal_before_create,
             "budget_bytes": s.budget_bytes,
             "chunks_held": s.chunks_held,
             "peak_chunks_held": s.peak_chunks_held,

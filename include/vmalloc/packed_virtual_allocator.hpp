@@ -10,8 +10,9 @@
 // Backing a placed block: its unmapped slots get chunks from the pool's cache, else chunks
 // stolen from fully free mapped slots elsewhere (unmap + map + set_access is far cheaper than
 // cuMemCreate, and keeps reserved memory at what live blocks touch), else new chunks within
-// budget and capacity; one cuMemSetAccess per contiguous run. Freed slots stay mapped, so a
-// repeated pattern whose blocks land on mapped slots makes no memory-management driver call.
+// budget and capacity (or new chunks before stealing: steal_before_create = false); one
+// cuMemSetAccess per contiguous run. Freed slots stay mapped, so a repeated pattern whose
+// blocks land on mapped slots makes no memory-management driver call.
 // No out-of-memory while ceil(mr / mc) fully free chunks exist: when the best hole would need
 // more chunks than are free, the block goes to a fresh chunk-aligned reservation.
 //
@@ -52,6 +53,14 @@ struct PackedVirtualAllocatorOptions {
   // Virtual bytes per reservation (rounded up to chunks); a larger request gets its own size.
   // 0 picks 1 GiB. Address space is cheap and packing is densest inside one reservation.
   std::size_t reservation_size = 0;
+  // Where the chunks for newly touched slots come from after the pool's cache. true: chunks
+  // stolen from fully free mapped slots first, new chunks only when none is free: reserved
+  // memory stays at the peak of what live blocks touch, but a pattern whose live blocks move
+  // across slots remaps chunks (and waits for their work) every time. false: new chunks
+  // first, stealing only at the budget or capacity: every slot a pattern touches stays
+  // mapped, so a repeated pattern makes no driver call after warm-up; the device needed is
+  // the same, more is held when memory is plentiful.
+  bool steal_before_create = true;
 };
 
 // Detail beyond Stats (VirtualAllocator(placement="packed").packed_stats() in Python).
@@ -59,6 +68,7 @@ struct PackedStats {
   std::size_t chunk_size = 0;
   std::size_t small_threshold = 0;
   std::size_t reservation_size = 0;
+  bool steal_before_create = true;
   std::size_t budget_bytes = 0;
   std::size_t chunks_held = 0;          // live + free_mapped + in_pool
   std::size_t peak_chunks_held = 0;
@@ -106,6 +116,7 @@ class PackedVirtualAllocator final : public Allocator {
   std::size_t chunk_size() const noexcept { return chunk_size_; }
   std::size_t small_threshold() const noexcept { return small_threshold_; }
   std::size_t reservation_size() const noexcept { return reservation_size_; }
+  bool steal_before_create() const noexcept { return steal_before_create_; }
   std::size_t budget() const noexcept { return pool_.budget(); }
 
  private:
@@ -156,6 +167,7 @@ class PackedVirtualAllocator final : public Allocator {
   const std::size_t chunk_size_;
   const std::size_t small_threshold_;
   const std::size_t reservation_size_;
+  const bool steal_before_create_;
   mutable std::mutex mutex_;
   PhysicalChunkPool pool_;
   detail::StreamOrder order_;
