@@ -662,3 +662,84 @@ def test_bench_reports_zero_steady_state_calls(capsys):
     assert [r["modeled_seconds"] for r in steady] == [0.0] * len(steady)
     assert bench.main(["--quick", "--allocator", "virtual"]) == 0
     assert "training-like pattern" in capsys.readouterr().out
+
+
+# --- streams under random operations and memory pressure --------------------------------
+
+from hypothesis.stateful import (  # noqa: E402
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+
+class MultiStreamMachine(RuleBasedStateMachine):
+    """Random allocations and frees on three streams of a small backed device: frees on
+    other streams than the allocation's, neighbours freed on different streams, arena chunks
+    emptied by several streams, stealing (which synchronizes) and release_cached. Data of live
+    allocations must survive, and the books must stay exact."""
+
+    def __init__(self):
+        super().__init__()
+        self.device = vmalloc.HostDevice(capacity=12 * MC)
+        self.va = vmalloc.VirtualAllocator(self.device)
+        self.streams = [0] + [self.device.create_stream() for _ in range(2)]
+        self.live = {}  # ptr -> (n, tag)
+        self.tag = 0
+
+    @rule(n=st.one_of(st.integers(1, 8 * KiB), st.integers(8 * KiB, MiB),
+                      st.integers(MiB + 1, 5 * MC)),
+          s=st.integers(0, 2))
+    def allocate(self, n, s):
+        try:
+            p = self.va.allocate(n, self.streams[s])
+        except vmalloc.OutOfMemoryError:
+            c = self.va.chunk_stats()
+            needed = 1 if n <= self.va.small_threshold else chunks(n)
+            assert c["free_chunks"] + 12 - c["chunks_held"] < needed
+            return
+        self.tag += 1
+        data = self.tag.to_bytes(4, "little") * 2
+        k = min(8, n)
+        self.device.write(p, data[:k], self.streams[s])
+        self.device.write(p + n - k, data[:k], self.streams[s])  # the same bytes if n < 16
+        self.live[p] = (n, self.tag)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), s=st.integers(0, 2))
+    def deallocate(self, data, s):
+        p = data.draw(st.sampled_from(sorted(self.live)))
+        n, tag = self.live.pop(p)
+        k = min(8, n)
+        expect = (tag.to_bytes(4, "little") * 2)[:k]
+        assert self.device.read(p + n - k, k) == expect
+        if n >= 2 * k:  # else the tail write overlapped the head
+            assert self.device.read(p, k) == expect
+        # Queue a copy that still reads the memory at the free, on the freeing stream.
+        self.device.copy_device(p, p, k, self.streams[s])
+        self.va.deallocate(p, n, self.streams[s])
+
+    @rule()
+    def release_cached(self):
+        free = self.va.chunk_stats()["free_chunks"]
+        assert self.va.release_cached() == free * MC
+
+    @invariant()
+    def books(self):
+        check_identities(self.va, {p: n for p, (n, _) in self.live.items()})
+
+    def teardown(self):
+        self.device.synchronize()
+        for p, (n, tag) in self.live.items():
+            k = min(8, n)
+            assert self.device.read(p + n - k, k) == (tag.to_bytes(4, "little") * 2)[:k]
+        self.va = self.device = None
+
+
+def test_multi_stream_random_operations():
+    run_state_machine_as_test(
+        MultiStreamMachine,
+        settings=settings(max_examples=int(__import__("os").environ.get("VA_EXAMPLES", 25)), stateful_step_count=60, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow]))
