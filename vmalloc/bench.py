@@ -25,27 +25,34 @@ import timeit
 KiB = 1 << 10
 MiB = 1 << 20
 
-#: Allocator kinds by name: the vmalloc class each one needs.
-ALLOCATORS = {"virtual": "VirtualAllocator", "caching": "CachingAllocator"}
+#: Allocator kinds by name: the vmalloc class each one needs and its options.
+ALLOCATORS = {
+    "virtual": ("VirtualAllocator", {}),
+    "caching": ("CachingAllocator", {}),
+    "virtual-packed": ("VirtualAllocator", {"placement": "packed"}),
+}
+#: The kinds measured when none is named.
+DEFAULT_ALLOCATORS = ("virtual", "caching")
 
 
-def available_allocators():
-    """The names in :data:`ALLOCATORS` whose class is built."""
+def available_allocators(names=DEFAULT_ALLOCATORS):
+    """Those of ``names`` whose class is built."""
     import vmalloc
 
-    return [name for name, cls in ALLOCATORS.items() if hasattr(vmalloc, cls)]
+    return [name for name in names if hasattr(vmalloc, ALLOCATORS[name][0])]
 
 
 def make_allocator(name, device, **options):
-    """A new allocator of kind ``name`` (``"virtual"``, ``"caching"``) on ``device``."""
+    """A new allocator of kind ``name`` (a key of :data:`ALLOCATORS`) on ``device``."""
     import vmalloc
 
     if name not in ALLOCATORS:
         raise ValueError(f"unknown allocator {name!r}; known: {', '.join(ALLOCATORS)}")
-    cls = getattr(vmalloc, ALLOCATORS[name], None)
+    cls_name, defaults = ALLOCATORS[name]
+    cls = getattr(vmalloc, cls_name, None)
     if cls is None:
-        raise ValueError(f"allocator {name!r} (vmalloc.{ALLOCATORS[name]}) is not built")
-    return cls(device, **options)
+        raise ValueError(f"allocator {name!r} (vmalloc.{cls_name}) is not built")
+    return cls(device, **{**defaults, **options})
 
 
 def make_device(capacity=None):
@@ -162,14 +169,14 @@ def format_table(results):
     s = results["settings"]
     lines = [f"cache hit: one allocate+deallocate pair ({s['pairs']:,} pairs in C++, "
              f"{s['python_pairs']:,} from Python; {s['device']})",
-             f"  {'allocator':<10} {'size':>10} {'C++ loop':>10} {'Python':>10}"]
+             f"  {'allocator':<14} {'size':>10} {'C++ loop':>10} {'Python':>10}"]
     for h in results["hit"]:
-        lines.append(f"  {h['allocator']:<10} {format_size(h['nbytes']):>10} "
+        lines.append(f"  {h['allocator']:<14} {format_size(h['nbytes']):>10} "
                      f"{_ns(h['cpp_ns_per_pair']):>10} {_ns(h['python_ns_per_pair']):>10}")
     lines.append("")
     lines.append(f"training-like pattern ({s['layers']} layers, {s['iterations']} iterations): "
                  "driver calls per iteration")
-    lines.append(f"  {'allocator':<10} {'iteration':<13} {'mm calls':>9} {'all calls':>10} "
+    lines.append(f"  {'allocator':<14} {'iteration':<13} {'mm calls':>9} {'all calls':>10} "
                  f"{'modeled driver time':>20}")
     for p in results["pattern"]:
         rows = p["iterations"]
@@ -180,7 +187,7 @@ def format_table(results):
                     for k in ("memory_management_calls", "driver_calls", "modeled_seconds")}
             shown.append((f"2-{len(rows)} (mean)", mean))
         for label, r in shown:
-            lines.append(f"  {p['allocator']:<10} {label:<13} "
+            lines.append(f"  {p['allocator']:<14} {label:<13} "
                          f"{r['memory_management_calls']:>9g} {r['driver_calls']:>10g} "
                          f"{r['modeled_seconds'] * 1e3:>17.3f} ms")
     return "\n".join(lines)
@@ -194,7 +201,8 @@ def main(argv=None):
                     "loop and Python), and driver calls per iteration of a training-like "
                     "pattern, on an unbacked emulated device.")
     parser.add_argument("--allocator", action="append", choices=sorted(ALLOCATORS),
-                        help="allocator to measure (repeatable; default: every one built)")
+                        help="allocator to measure (repeatable; default: virtual and "
+                             "caching)")
     parser.add_argument("--sizes", default="4KiB,3MiB",
                         help="request sizes of the cache-hit measurement (default 4KiB,3MiB)")
     parser.add_argument("--pairs", type=int, default=1_000_000,
