@@ -447,6 +447,26 @@ def test_small_threshold_zero_disables_the_arena():
     assert (s.allocated_bytes, c["chunks_in_arenas"]) == (MC, 0)
 
 
+def test_reset_peak_stats_sets_peaks_to_current_values():
+    dev = vmalloc.HostDevice(backed=False)
+    va = vmalloc.VirtualAllocator(dev)
+    a, b = va.allocate(9 * MiB), va.allocate(1000)
+    va.deallocate(a)
+    s = va.stats()
+    assert (s.peak_requested_bytes, s.peak_allocated_bytes, s.peak_live_allocations) == (
+        9 * MiB + 1000, 5 * MC + 1024, 2)
+    va.reset_peak_stats()
+    s = va.stats()
+    assert (s.peak_requested_bytes, s.peak_allocated_bytes, s.peak_live_allocations,
+            s.peak_internal_fragmentation_bytes, s.peak_reserved_bytes) == (
+        1000, 1024, 1, 24, s.reserved_bytes)
+    va.release_cached()
+    assert va.stats().peak_reserved_bytes == 6 * MC  # a peak stays until the next reset
+    va.reset_peak_stats()
+    assert va.stats().peak_reserved_bytes == MC == va.stats().reserved_bytes
+    assert b
+
+
 # --- errors ------------------------------------------------------------------------------
 
 def test_bad_pointers_raise_and_change_nothing():
