@@ -221,7 +221,7 @@ def traces(draw):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(trace=traces(), kind=st.sampled_from(["caching", "virtual"]))
+@given(trace=traces(), kind=st.sampled_from(["caching", "virtual", "virtual-packed"]))
 def test_any_trace_replays_to_the_exact_requested_peaks(trace, kind):
     expected = trace_peaks(trace)
     result = replay_once(trace, kind)

@@ -134,8 +134,9 @@ def test_survivors_pin_caching_segments():
     assert virtual.min_capacity_bytes < caching.min_capacity_bytes
 
 
+@pytest.mark.parametrize("kind", ["virtual", "virtual-packed"])
 @pytest.mark.parametrize("pattern", sorted(PATTERNS))
-def test_virtual_allocator_runs_within_its_bound(pattern):
+def test_virtual_allocator_runs_within_its_bound(pattern, kind):
     trace = generate(pattern, seed=1)
     expected = trace_peaks(trace, chunk_size=CHUNK)
     # The bound of the paper's equation 1 summed over live allocations: each wastes less
@@ -143,7 +144,7 @@ def test_virtual_allocator_runs_within_its_bound(pattern):
     # runs out of memory while free chunks exist anywhere.
     bound = expected["peak_requested_bytes"] + expected["peak_live_allocations"] * CHUNK
     capacity = math.ceil(bound / CHUNK) * CHUNK
-    result = replay_once(trace, "virtual", capacity=capacity, chunk_size=CHUNK)
+    result = replay_once(trace, kind, capacity=capacity, chunk_size=CHUNK)
     assert result.completed, f"ran out of memory at event {result.out_of_memory_event}"
     assert result.out_of_memory_event is None
     assert result.peak_reserved_bytes <= capacity  # the bound, in whole chunks

@@ -44,8 +44,8 @@ __all__ = [
 #: The allocator kinds :func:`replay` compares by default.
 ALLOCATOR_KINDS = ("caching", "virtual")
 
-#: Every allocator name :func:`replay` builds (``"virtual-packed"``: the virtual allocator
-#: with ``placement="packed"``).
+#: Every allocator name :func:`replay` builds; ``"virtual-packed"`` is the virtual allocator
+#: with ``placement="packed"``.
 ALLOCATOR_NAMES = ALLOCATOR_KINDS + ("virtual-packed",)
 
 #: Traces up to this many events are kept in memory after their first read, so that the
