@@ -78,6 +78,14 @@ class StreamOrder {
   }
   // True if the event already completed (turns `work` idle); queries the device.
   bool completed(PendingWork& work);
+  // Like completed(), but first records the event of work freed before a second stream
+  // appeared (which has none), so that any free can be polled without blocking the host.
+  // May throw DeviceError (then `work` is unchanged).
+  bool poll(PendingWork& work) {
+    if (work.idle) return true;
+    if (!settle_or_record(work)) return true;  // its stream is gone: the device was synchronized
+    return completed(work);
+  }
   // Blocks the host until the work is done (before cuMemUnmap); `work` becomes idle.
   void synchronize(PendingWork& work);
 
