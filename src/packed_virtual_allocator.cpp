@@ -301,7 +301,7 @@ void PackedVirtualAllocator::back_slots(Reservation* res, std::size_t first, std
     for (physical_handle h; chunks.size() < need && (h = pool_.take_cached()) != 0;)
       chunks.push_back(h);
     if (steal_before_create_ && chunks.size() < need)
-      steal(need - chunks.size(), res, first, last, chunks);
+      steal(need - chunks.size(), res, first, last, chunks, /*wait=*/false);
     created_from = chunks.size();
     for (std::size_t want = std::min(need - chunks.size(), pool_.creatable_chunks()); want > 0;
          --want) {
@@ -314,7 +314,7 @@ void PackedVirtualAllocator::back_slots(Reservation* res, std::size_t first, std
     if (chunks.size() < need) {
       // Stolen chunks go before the created ones, which a failure releases.
       stolen.reserve(need - chunks.size());
-      steal(need - chunks.size(), res, first, last, stolen);
+      steal(need - chunks.size(), res, first, last, stolen, /*wait=*/true);
       chunks.insert(chunks.begin() + static_cast<std::ptrdiff_t>(created_from), stolen.begin(),
                     stolen.end());  // within the reserved capacity: no allocation
       created_from += stolen.size();
@@ -350,7 +350,7 @@ void PackedVirtualAllocator::back_slots(Reservation* res, std::size_t first, std
 
 void PackedVirtualAllocator::steal(std::size_t need, const Reservation* keep,
                                    std::size_t keep_first, std::size_t keep_last,
-                                   std::vector<physical_handle>& out) {
+                                   std::vector<physical_handle>& out, bool wait) {
   auto victim = [&](const Reservation* r, std::size_t s) {
     return r->handles[s] != 0 && r->live[s] == 0 &&
            !(r == keep && s >= keep_first && s <= keep_last);
@@ -362,10 +362,12 @@ void PackedVirtualAllocator::steal(std::size_t need, const Reservation* keep,
     if (r->mapped == 0) continue;
     for (std::size_t s = r->slots; s > 0 && need > 0;) {
       --s;
-      if (!victim(r, s)) continue;
+      if (!victim(r, s) || (!wait && !holes_done(r, s, s))) continue;
       std::size_t lo = s;
-      while (lo > 0 && s - lo + 1 < need && victim(r, lo - 1)) --lo;
-      synchronize_holes(r, lo, s);  // may throw: nothing unmapped for this run
+      while (lo > 0 && s - lo + 1 < need && victim(r, lo - 1) &&
+             (wait || holes_done(r, lo - 1, lo - 1)))
+        --lo;
+      if (wait) synchronize_holes(r, lo, s);  // may throw: nothing unmapped for this run
       unmap_slots(r, lo, s, out);   // may throw: same
       need -= s - lo + 1;
       stolen_ += s - lo + 1;
@@ -381,6 +383,13 @@ void PackedVirtualAllocator::synchronize_holes(Reservation* res, std::size_t fir
   const std::size_t lo = first * chunk_size_, hi = (last + 1) * chunk_size_;
   for (Block* b = res->first; b != nullptr && b->offset < hi; b = b->next)
     if (b->free && b->end() > lo) order_.synchronize(b->work);
+}
+
+bool PackedVirtualAllocator::holes_done(Reservation* res, std::size_t first, std::size_t last) {
+  const std::size_t lo = first * chunk_size_, hi = (last + 1) * chunk_size_;
+  for (Block* b = res->first; b != nullptr && b->offset < hi; b = b->next)
+    if (b->free && b->end() > lo && !order_.poll(b->work)) return false;
+  return true;
 }
 
 void PackedVirtualAllocator::unmap_slots(Reservation* res, std::size_t first, std::size_t last,

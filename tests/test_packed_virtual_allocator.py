@@ -4,6 +4,7 @@ chunk-aligned spot under pressure, stream-ordered reuse and exact accounting."""
 
 import ctypes
 import random
+import threading
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -415,8 +416,7 @@ def test_reuse_on_the_freeing_stream_is_immediate_and_call_free():
 
 def test_holes_of_different_busy_streams_do_not_merge():
     dev = vmalloc.HostDevice(capacity="64MiB")
-    # Creating before stealing: stealing slot 0 would wait for the held streams.
-    va = packed(dev, small_threshold=0, steal_before_create=False)
+    va = packed(dev, small_threshold=0)
     a, b = dev.create_stream(), dev.create_stream()
     x, y, z = va.allocate(MiB, a), va.allocate(MiB, b), va.allocate(MiB, a)
     hold_a, hold_b = dev.hold_stream(a), dev.hold_stream(b)
@@ -431,23 +431,52 @@ def test_holes_of_different_busy_streams_do_not_merge():
     dev.synchronize()
 
 
-def test_stealing_waits_for_the_freeing_stream_before_unmapping():
+def test_stealing_first_skips_chunks_whose_frees_are_pending():
+    """With memory to spare, a chunk whose free is still pending is not stolen (that would
+    block the host): a new one is created instead."""
+    dev = vmalloc.HostDevice()
+    va = packed(dev)
+    a = dev.create_stream()
+    x, y = va.allocate(4 * MiB, a), va.allocate(4 * MiB, a)
+    hold = dev.hold_stream(a)
+    va.deallocate(x, 4 * MiB, a)  # pending: `a` is held
+    before = dev.counters()
+    z = va.allocate(5 * MiB, a)   # after y: slots 4-6
+    assert z == y + 4 * MiB
+    p = va.packed_stats()
+    assert (p["chunks_stolen"], p["chunks_held"]) == (0, 7)
+    assert dev.counters()["event_synchronize"] == before["event_synchronize"]
+    dev.release_hold(hold)
+    dev.synchronize()
+    va.deallocate(z, 5 * MiB, a)
+    w = va.allocate(7 * MiB, a)   # after y again: slots 4-7, one more: x's, its free now done
+    assert w == z and va.packed_stats()["chunks_stolen"] == 1
+    assert va.packed_stats()["chunks_held"] == 7
+
+
+def test_under_pressure_stealing_waits_for_the_freeing_stream_before_unmapping():
     dev = vmalloc.HostDevice(capacity="10MiB")
     va = packed(dev)
     a = dev.create_stream()
     x = va.allocate(4 * MiB, a)
-    dev.write(x + 4 * MiB - 16, b"P1" * 8, a)
-    out = pinned(dev, 16)
-    dev.copy_to_host(out, x + 4 * MiB - 16, 16, a)
     y = va.allocate(4 * MiB, a)
+    dev.write(x + 4 * MiB - 16, b"P1" * 8, a)
+    hold = dev.hold_stream(a)
+    out = pinned(dev, 16)
+    dev.copy_to_host(out, x + 4 * MiB - 16, 16, a)  # queued behind the hold
     va.deallocate(x, 4 * MiB, a)
-    # 5 MiB fits no hole below y's end: placed after y (slots 4-6) it steals x's two slots,
-    # unmapping them: the copy on `a` must finish first.
+    # 5 MiB fits no hole below y's end: after y (slots 4-6) it needs 3 chunks, the device has
+    # room for 1: x's two slots are stolen, which must wait for the copy on `a`. The hold is
+    # released from another thread while allocate() waits.
+    releaser = threading.Timer(0.2, dev.release_hold, args=(hold,))
+    releaser.start()
     z = va.allocate(5 * MiB, a)
+    releaser.join()
     assert z == y + 4 * MiB and va.packed_stats()["chunks_stolen"] == 2
     assert dev.counters()["event_synchronize"] >= 1
+    dev.write(z, b"\0" * (5 * MiB))  # the stolen chunks' new contents
     dev.synchronize()
-    assert ctypes.string_at(out, 16) == b"P1" * 8
+    assert ctypes.string_at(out, 16) == b"P1" * 8  # the copy ran before they were remapped
     dev.host_free(out)
 
 

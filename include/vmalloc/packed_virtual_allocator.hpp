@@ -8,10 +8,11 @@
 // slots that live blocks overlap: two 2.25 MiB tensors share 3 chunks.
 //
 // Backing a placed block: its unmapped slots get chunks from the pool's cache, else chunks
-// stolen from fully free mapped slots elsewhere (unmap + map + set_access is far cheaper than
-// cuMemCreate, and keeps reserved memory at what live blocks touch), else new chunks within
-// budget and capacity (or new chunks before stealing: steal_before_create = false); one
-// cuMemSetAccess per contiguous run. Freed slots stay mapped, so a repeated pattern whose
+// stolen from fully free mapped slots elsewhere whose frees' work is done (unmap + map +
+// set_access is far cheaper than cuMemCreate, and keeps reserved memory at what live blocks
+// touch), else new chunks within budget and capacity, else (under pressure) chunks stolen
+// after waiting for their work (or new chunks before any stealing: steal_before_create =
+// false); one cuMemSetAccess per contiguous run. Freed slots stay mapped, so a repeated pattern whose
 // blocks land on mapped slots makes no memory-management driver call.
 // No out-of-memory while ceil(mr / mc) fully free chunks exist: when the best hole would need
 // more chunks than are free, the block goes to a fresh chunk-aligned reservation.
@@ -54,7 +55,8 @@ struct PackedVirtualAllocatorOptions {
   // 0 picks 1 GiB. Address space is cheap and packing is densest inside one reservation.
   std::size_t reservation_size = 0;
   // Where the chunks for newly touched slots come from after the pool's cache. true: chunks
-  // stolen from fully free mapped slots first, new chunks only when none is free: reserved
+  // stolen from fully free mapped slots first (those whose frees' work is done: no host
+  // wait), new chunks only when none is free: reserved
   // memory stays at the peak of what live blocks touch, but a pattern whose live blocks move
   // across slots remaps chunks (and waits for their work) every time. false: new chunks
   // first, stealing only at the budget or capacity: every slot a pattern touches stays
@@ -136,9 +138,12 @@ class PackedVirtualAllocator final : public Allocator {
   void back_slots(Reservation* res, std::size_t first, std::size_t last, std::size_t need,
                   std::size_t nbytes);
   // Unmaps up to `need` fully free mapped slots outside [keep_first, keep_last] of `keep`
-  // into `out`, waiting for the work of the holes on them.
+  // into `out`. wait: blocks the host for the work of the holes on them; otherwise takes
+  // only slots whose holes' work is done (no host wait).
   void steal(std::size_t need, const Reservation* keep, std::size_t keep_first,
-             std::size_t keep_last, std::vector<physical_handle>& out);
+             std::size_t keep_last, std::vector<physical_handle>& out, bool wait);
+  // True if the work of every hole overlapping slots [first, last] of `res` is done.
+  bool holes_done(Reservation* res, std::size_t first, std::size_t last);
   // Unmaps slots [first, last] of `res` (all mapped, no live block); chunks into `out`.
   void unmap_slots(Reservation* res, std::size_t first, std::size_t last,
                    std::vector<physical_handle>& out);
