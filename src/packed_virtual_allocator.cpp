@@ -145,6 +145,14 @@ device_ptr PackedVirtualAllocator::allocate(std::size_t nbytes, stream_t stream)
   Block* h = holes_[kind].best_fit(size / packed_block_bytes, stream);
   try {
     if (h == nullptr) {
+      // A fresh reservation needs ceil(size / mc) chunks: decide before reserving anything.
+      const std::size_t k = (size + chunk_size_ - 1) / chunk_size_;
+      const std::size_t in_pool = pool_.chunks_cached();
+      const std::size_t creatable = pool_.creatable_chunks();
+      if (saturating_add(saturating_add(in_pool, free_mapped_), creatable) < k)
+        throw_out_of_memory(nbytes, std::to_string(in_pool + free_mapped_) +
+                                        " free chunks and " + std::to_string(creatable) +
+                                        " creatable");
       h = new_reservation(std::max(size, reservation_size_), kind);
       created = h->reservation;
     }

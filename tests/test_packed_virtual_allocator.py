@@ -503,3 +503,20 @@ def test_replay_and_cli_know_virtual_packed():
     assert "virtual-packed" in ALLOCATOR_NAMES
     va = make_allocator("virtual-packed", vmalloc.HostDevice(backed=False), chunk_size="4MiB")
     assert (va.placement, va.chunk_size) == ("packed", 4 * MiB)
+
+
+def test_a_request_beyond_the_free_chunks_fails_before_any_driver_call():
+    dev = vmalloc.HostDevice(capacity="64MiB", backed=False)
+    va = packed(dev)
+    keep = va.allocate(60 * MiB)
+    before, stats = dev.counters(), va.stats()
+    for n in (1 << 40, 5 * MiB):
+        with pytest.raises(vmalloc.OutOfMemoryError) as info:
+            va.allocate(n)
+        assert info.value.requested_bytes == n
+        assert "0 free chunks and 2 creatable" in str(info.value)
+    assert delta(before, dev.counters(), list(before)) == {}
+    after = va.stats()
+    assert after.out_of_memory_count == stats.out_of_memory_count + 2
+    assert (after.requested_bytes, after.reserved_bytes) == (60 * MiB, 60 * MiB)
+    assert va.allocate(4 * MiB) == keep + 60 * MiB  # the last two chunks still serve
