@@ -48,7 +48,7 @@ def test_replay_json_reports_each_allocator(capsys, small_trace):
     code, out, err = run(capsys, "replay", str(small_trace), "--json")
     assert code == 0
     results = json.loads(out)
-    assert [r["allocator"] for r in results] == ["caching", "virtual"]
+    assert [r["allocator"] for r in results] == ["caching", "virtual", "virtual-packed"]
     for r in results:
         assert REQUIRED_KEYS <= set(r)
         assert r["trace"] == "small"
@@ -92,7 +92,7 @@ def test_replay_plot_writes_a_png(capsys, small_trace, tmp_path):
 
 def test_stress_reports_the_patterns(capsys):
     code, out, _ = run(capsys, "stress", "growing", "swap", "--json", "--no-min-capacity",
-                       "--seed", "2")
+                       "--seed", "2", "-a", "caching,virtual")
     assert code == 0
     results = json.loads(out)
     assert [(r["trace"], r["allocator"]) for r in results] == [

@@ -237,7 +237,7 @@ def test_replay_reports_every_allocator(unbacked):
     trace = events((ALLOC, 0x1000, 3 * MiB), (ALLOC, 0x2000, 700), (FREE, 0x1000, 0),
                    (ALLOC, 0x3000, 12 * MiB), (FREE, 0x2000, 0), (FREE, 0x3000, 0))
     results = replay(trace, name="tiny")
-    assert [r.allocator for r in results] == ["caching", "virtual"]
+    assert [r.allocator for r in results] == ["caching", "virtual", "virtual-packed"]
     for r in results:
         assert (r.trace, r.events, r.trace_events, r.completed) == ("tiny", 6, 6, True)
         assert r.peak_requested_bytes == 12 * MiB + 700
@@ -253,8 +253,10 @@ def test_replay_reports_every_allocator(unbacked):
         assert r.min_capacity_utilization == r.peak_requested_bytes / r.min_capacity_bytes
         json.dumps(r.to_dict())  # JSON-ready
         assert "timeline" not in r.to_dict()
-    # The virtual allocator maps 12 MiB + 700 B into 6 chunks plus one arena chunk: 7 granules.
+    # The virtual allocator maps 12 MiB + 700 B into 6 chunks plus one arena chunk: 7 granules;
+    # packed, the small block gets a reservation of its own (as PyTorch's small pool): 7 too.
     assert results[1].min_capacity_bytes == 14 * MiB
+    assert results[2].min_capacity_bytes == 14 * MiB
 
 
 def test_min_capacity_is_the_boundary(make_allocator):

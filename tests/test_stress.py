@@ -100,7 +100,7 @@ def _check_exact_peaks(results, trace):
 
 def test_swap_pattern_fragments_caching_and_not_virtual():
     trace = generate("swap", seed=0)
-    caching, virtual = replay(trace, name="swap")
+    caching, virtual = replay(trace, ("caching", "virtual"), name="swap")
     expected = _check_exact_peaks([caching, virtual], trace)
     # Best-fit caching holds about twice what the window needs (measured 0.50; 0.45..0.54
     # over seeds 0..5) and needs about 1.5x the virtual allocator's device to run at all.
@@ -114,7 +114,7 @@ def test_swap_pattern_fragments_caching_and_not_virtual():
 
 def test_growing_sizes_waste_caching():
     trace = generate("growing", seed=0)
-    caching, virtual = replay(trace, name="growing")
+    caching, virtual = replay(trace, ("caching", "virtual"), name="growing")
     expected = _check_exact_peaks([caching, virtual], trace)
     # A freed block is never big enough for the next step: every step reserves anew
     # (measured 0.147; 0.125..0.157 over seeds 0..5).
@@ -124,7 +124,7 @@ def test_growing_sizes_waste_caching():
 
 def test_survivors_pin_caching_segments():
     trace = generate("survivors", seed=0)
-    caching, virtual = replay(trace, name="survivors")
+    caching, virtual = replay(trace, ("caching", "virtual"), name="survivors")
     _check_exact_peaks([caching, virtual], trace)
     # Measured: caching utilization 0.58 unlimited, 0.80 at its smallest device; the virtual
     # allocator 0.985 at its smallest device, which is 0.82x the caching allocator's.

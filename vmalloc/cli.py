@@ -94,7 +94,8 @@ def _parser():
     p = sub.add_parser(
         "replay", help="replay allocator traces through the allocators",
         description="Replay allocator traces (PyTorch memory snapshots, RMM logs, ...) "
-                    "through the caching and the virtual allocator on an emulated device. "
+                    "through the caching allocator and the virtual allocator (chunk and packed "
+                    "placement) on an emulated device. "
                     "With no TRACE, the traces shipped with vmalloc.")
     p.add_argument("traces", nargs="*", metavar="TRACE", help="trace files")
     p.add_argument("--format", help="trace format (default: detected from the file)")

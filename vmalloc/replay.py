@@ -41,12 +41,13 @@ __all__ = [
     "replay_once",
 ]
 
-#: The allocator kinds :func:`replay` compares by default.
-ALLOCATOR_KINDS = ("caching", "virtual")
+#: The allocator kinds :func:`replay` compares by default: the caching baseline, the virtual
+#: allocator with the paper's chunk placement, and with packed placement
+#: (``"virtual-packed"`` is :class:`vmalloc.VirtualAllocator` with ``placement="packed"``).
+ALLOCATOR_KINDS = ("caching", "virtual", "virtual-packed")
 
-#: Every allocator name :func:`replay` builds; ``"virtual-packed"`` is the virtual allocator
-#: with ``placement="packed"``.
-ALLOCATOR_NAMES = ALLOCATOR_KINDS + ("virtual-packed",)
+#: Every allocator name :func:`replay` builds.
+ALLOCATOR_NAMES = ALLOCATOR_KINDS
 
 #: Traces up to this many events are kept in memory after their first read, so that the
 #: bisection's probes do not parse the file again (32 bytes an event: 128 MiB).
