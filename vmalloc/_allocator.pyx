@@ -9,6 +9,9 @@ from vmalloc.sizes import MAX_SIZE, parse_size
 from vmalloc.stats import Stats
 
 
+cdef size_t _MAX_REQUEST = MAX_SIZE
+
+
 cdef object stats_from_c(const CStats& s):
     return Stats(
         requested_bytes=s.requested_bytes,
@@ -56,7 +59,7 @@ cdef class Allocator:
         cdef uintptr_t s
         cdef uintptr_t p
         cdef CAllocator* a = self.get()
-        if type(nbytes) is int and 0 <= nbytes <= MAX_SIZE:
+        if type(nbytes) is int and nbytes >= 0 and nbytes <= _MAX_REQUEST:
             n = nbytes
         else:
             n = parse_size(nbytes, "nbytes")
@@ -83,8 +86,9 @@ cdef class Allocator:
         p = ptr
         n = unknown_size if nbytes is None else parse_size(nbytes, "nbytes")
         s = stream_handle(stream)
-        with nogil:
-            a.deallocate(p, n, s)
+        # The GIL is kept: a deallocation never waits for the device (frees are
+        # stream-ordered), and releasing it would cost more than the call itself.
+        a.deallocate(p, n, s)
 
     def release_cached(self):
         """Returns cached physical memory to the device; the number of bytes given back."""
