@@ -1,11 +1,13 @@
 #include "vmalloc/packed_virtual_allocator.hpp"
 
 #include <algorithm>
-#include <cstdio>
 #include <iterator>
-#include <limits>
 #include <utility>
 
+#include "vmalloc/detail/chunk_size.hpp"
+#include "vmalloc/detail/format.hpp"
+#include "vmalloc/detail/reservation_teardown.hpp"
+#include "vmalloc/detail/saturating_add.hpp"
 #include "vmalloc/errors.hpp"
 
 namespace vmalloc {
@@ -13,40 +15,20 @@ namespace vmalloc {
 using detail::packed_block_bytes;
 using detail::PendingWork;
 using detail::StreamOrder;
+using detail::hex;
+using detail::saturating_add;
 
 namespace {
 
-constexpr std::size_t default_chunk_size = std::size_t{2} << 20;
 constexpr std::size_t default_reservation_size = std::size_t{1} << 30;
 // PyTorch's small-pool limit: below it tensors are many, small and often long-lived.
 constexpr std::size_t default_small_threshold = std::size_t{1} << 20;
 // Holes up to 32 MiB get exact-size buckets (512 KiB of list heads per index).
 constexpr std::size_t exact_hole_units = (std::size_t{32} << 20) / packed_block_bytes;
 
-std::string hex(device_ptr p) {
-  char buf[24];
-  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(p));
-  return buf;
-}
-
 const std::shared_ptr<Device>& require_device(const std::shared_ptr<Device>& device) {
   if (!device) throw InvalidArgument("PackedVirtualAllocator: device is null");
   return device;
-}
-
-std::size_t resolve_chunk_size(const Device& device, std::size_t chunk_size) {
-  const std::size_t g = device.granularity();
-  if (chunk_size == 0) {
-    if (g == 0) throw InvalidArgument("PackedVirtualAllocator: device " + device.name() +
-                                      " reports a granularity of 0");
-    return (default_chunk_size + g - 1) / g * g;
-  }
-  if (g == 0 || chunk_size % g != 0 || chunk_size > max_request_bytes ||
-      chunk_size % packed_block_bytes != 0)
-    throw InvalidArgument("PackedVirtualAllocator: chunk_size " + std::to_string(chunk_size) +
-                          " bytes is not a positive multiple of the granularity of device " +
-                          device.name() + " (" + std::to_string(g) + " bytes)");
-  return chunk_size;
 }
 
 std::size_t resolve_small_threshold(std::size_t threshold) {
@@ -66,17 +48,13 @@ std::size_t resolve_reservation_size(std::size_t chunk_size, std::size_t bytes) 
   return (bytes + chunk_size - 1) / chunk_size * chunk_size;
 }
 
-std::size_t saturating_add(std::size_t a, std::size_t b) {
-  return a > std::numeric_limits<std::size_t>::max() - b ? std::numeric_limits<std::size_t>::max()
-                                                         : a + b;
-}
-
 }  // namespace
 
 PackedVirtualAllocator::PackedVirtualAllocator(std::shared_ptr<Device> device,
                                                const PackedVirtualAllocatorOptions& options)
     : device_(require_device(device)),
-      chunk_size_(resolve_chunk_size(*device_, options.chunk_size)),
+      chunk_size_(detail::resolve_chunk_size(*device_, options.chunk_size,
+                                             "PackedVirtualAllocator", packed_block_bytes)),
       small_threshold_(resolve_small_threshold(options.small_threshold)),
       reservation_size_(resolve_reservation_size(chunk_size_, options.reservation_size)),
       steal_before_create_(options.steal_before_create),
@@ -91,32 +69,7 @@ std::shared_ptr<PackedVirtualAllocator> PackedVirtualAllocator::create(
 
 PackedVirtualAllocator::~PackedVirtualAllocator() {
   std::lock_guard<std::mutex> lock(mutex_);
-  // Work queued on memory of ours must finish before it is unmapped.
-  try {
-    device_->synchronize();
-  } catch (...) {
-  }
-  for (auto& entry : reservations_) {
-    Reservation& res = *entry.second;
-    // One cuMemUnmap per maximal run of mapped slots.
-    for (std::size_t i = 0; i < res.slots;) {
-      if (res.handles[i] == 0) {
-        ++i;
-        continue;
-      }
-      std::size_t j = i;
-      while (j < res.slots && res.handles[j] != 0) ++j;
-      try {
-        device_->unmap(res.base + i * chunk_size_, (j - i) * chunk_size_);
-      } catch (...) {
-      }
-      i = j;
-    }
-    try {
-      device_->free_address(res.base, res.slots * chunk_size_);
-    } catch (...) {
-    }
-  }
+  detail::tear_down_reservations(*device_, reservations_, chunk_size_);
   // The pool's destructor releases every chunk; the stream order's destroys the events;
   // the node pool frees the blocks.
 }
@@ -223,7 +176,7 @@ device_ptr PackedVirtualAllocator::allocate(std::size_t nbytes, stream_t stream)
   ++res->live_blocks;
   const device_ptr p = res->address_of(h);
   live_.insert(p, reinterpret_cast<std::uintptr_t>(h));
-  count_allocation(nbytes, size);
+  counters_.count_allocation(nbytes, size);
   if (spare != nullptr) blocks_.release(spare);
   return p;
 }
@@ -330,7 +283,7 @@ void PackedVirtualAllocator::back_slots(Reservation* res, std::size_t first, std
     }
     if (chunks.size() < need)
       throw_out_of_memory(nbytes, "the device refused chunks it reported creatable");
-    note_reserved();
+    counters_.note_reserved(reserved_bytes());
     for (std::size_t s = first; s <= last; ++s) {
       if (res->handles[s] != 0) continue;
       const physical_handle h = chunks[newly.size()];
@@ -458,7 +411,7 @@ void PackedVirtualAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stre
                           " bytes allocated at " + hex(ptr));
   const PendingWork work = order_.on_free(stream);  // may throw: nothing changed
   live_.erase(ptr);
-  count_deallocation(b->requested, b->size);
+  counters_.count_deallocation(b->requested, b->size);
   Reservation* res = b->reservation;
   for (std::size_t s = slot_first(b), e = slot_last(b); s <= e; ++s) {
     if (--res->live[s] == 0) {  // the slot stays mapped: a fully free chunk
@@ -530,40 +483,8 @@ std::size_t PackedVirtualAllocator::release_cached() {
 // ---------------------------------------------------------------------------------------------
 // accounting and introspection
 
-void PackedVirtualAllocator::count_allocation(std::size_t requested,
-                                              std::size_t allocated) noexcept {
-  Stats& s = stats_;
-  s.requested_bytes += requested;
-  s.allocated_bytes += allocated;
-  ++s.live_allocations;
-  ++s.total_allocations;
-  s.peak_requested_bytes = std::max(s.peak_requested_bytes, s.requested_bytes);
-  s.peak_allocated_bytes = std::max(s.peak_allocated_bytes, s.allocated_bytes);
-  s.peak_internal_fragmentation_bytes =
-      std::max(s.peak_internal_fragmentation_bytes, s.allocated_bytes - s.requested_bytes);
-  s.peak_live_allocations = std::max(s.peak_live_allocations, s.live_allocations);
-}
-
-void PackedVirtualAllocator::count_deallocation(std::size_t requested,
-                                                std::size_t allocated) noexcept {
-  stats_.requested_bytes -= requested;
-  stats_.allocated_bytes -= allocated;
-  --stats_.live_allocations;
-  ++stats_.total_deallocations;
-}
-
-void PackedVirtualAllocator::note_reserved() noexcept {
-  stats_.peak_reserved_bytes =
-      std::max(stats_.peak_reserved_bytes, pool_.chunks_held() * chunk_size_);
-}
-
 Stats PackedVirtualAllocator::stats_locked() const {
-  Stats s = stats_;
-  s.reserved_bytes = pool_.chunks_held() * chunk_size_;
-  s.peak_reserved_bytes = std::max(s.peak_reserved_bytes, s.reserved_bytes);
-  s.cached_bytes = s.reserved_bytes - s.allocated_bytes;
-  s.internal_fragmentation_bytes = s.allocated_bytes - s.requested_bytes;
-  return s;
+  return counters_.snapshot(reserved_bytes());
 }
 
 Stats PackedVirtualAllocator::stats() const {
@@ -573,12 +494,7 @@ Stats PackedVirtualAllocator::stats() const {
 
 void PackedVirtualAllocator::reset_peak_stats() {
   std::lock_guard<std::mutex> lock(mutex_);
-  Stats& s = stats_;
-  s.peak_requested_bytes = s.requested_bytes;
-  s.peak_allocated_bytes = s.allocated_bytes;
-  s.peak_internal_fragmentation_bytes = s.allocated_bytes - s.requested_bytes;
-  s.peak_live_allocations = s.live_allocations;
-  s.peak_reserved_bytes = pool_.chunks_held() * chunk_size_;
+  counters_.reset_peaks(reserved_bytes());
 }
 
 std::size_t PackedVirtualAllocator::allocation_size(device_ptr ptr) const {
@@ -603,7 +519,7 @@ PackedStats PackedVirtualAllocator::packed_stats() const {
   s.chunks_free_mapped = free_mapped_;
   s.chunks_in_pool = p.chunks_cached;
   s.free_chunks = free_mapped_ + p.chunks_cached;
-  s.live_blocks = stats_.live_allocations;
+  s.live_blocks = counters_.live_allocations();
   s.free_holes = holes_[0].count() + holes_[1].count();
   for (const auto& e : reservations_) {
     s.reserved_address_bytes += e.second->slots * chunk_size_;
@@ -645,7 +561,7 @@ ChunkStats PackedVirtualAllocator::chunk_stats() const {
 }
 
 void PackedVirtualAllocator::throw_out_of_memory(std::size_t nbytes, const std::string& why) {
-  ++stats_.out_of_memory_count;
+  counters_.count_out_of_memory();
   const std::size_t k = (nbytes + chunk_size_ - 1) / chunk_size_;
   const Stats s = stats_locked();
   throw OutOfMemory("PackedVirtualAllocator: out of memory allocating " +

@@ -1,11 +1,13 @@
 #include "vmalloc/virtual_allocator.hpp"
 
 #include <algorithm>
-#include <cstdio>
 #include <iterator>
-#include <limits>
 #include <utility>
 
+#include "vmalloc/detail/chunk_size.hpp"
+#include "vmalloc/detail/format.hpp"
+#include "vmalloc/detail/reservation_teardown.hpp"
+#include "vmalloc/detail/saturating_add.hpp"
 #include "vmalloc/errors.hpp"
 
 namespace vmalloc {
@@ -15,6 +17,8 @@ using detail::ArenaChunk;
 using detail::PendingWork;
 using detail::RangeState;
 using detail::StreamOrder;
+using detail::hex;
+using detail::saturating_add;
 
 namespace {
 
@@ -22,31 +26,10 @@ namespace {
 constexpr std::uintptr_t block_tag = 1;
 // Cached ranges examined in the best-fit size list for one on the caller's stream.
 constexpr int same_stream_scan = 8;
-constexpr std::size_t default_chunk_size = std::size_t{2} << 20;
-
-std::string hex(device_ptr p) {
-  char buf[24];
-  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(p));
-  return buf;
-}
 
 const std::shared_ptr<Device>& require_device(const std::shared_ptr<Device>& device) {
   if (!device) throw InvalidArgument("VirtualAllocator: device is null");
   return device;
-}
-
-std::size_t resolve_chunk_size(const Device& device, std::size_t chunk_size) {
-  const std::size_t g = device.granularity();
-  if (chunk_size == 0) {
-    if (g == 0) throw InvalidArgument("VirtualAllocator: device " + device.name() +
-                                      " reports a granularity of 0");
-    return (default_chunk_size + g - 1) / g * g;
-  }
-  if (g == 0 || chunk_size % g != 0 || chunk_size > max_request_bytes)
-    throw InvalidArgument("VirtualAllocator: chunk_size " + std::to_string(chunk_size) +
-                          " bytes is not a positive multiple of the granularity of device " +
-                          device.name() + " (" + std::to_string(g) + " bytes)");
-  return chunk_size;
 }
 
 std::size_t resolve_small_threshold(std::size_t chunk_size, std::size_t threshold) {
@@ -58,17 +41,12 @@ std::size_t resolve_small_threshold(std::size_t chunk_size, std::size_t threshol
   return threshold;
 }
 
-std::size_t saturating_add(std::size_t a, std::size_t b) {
-  return a > std::numeric_limits<std::size_t>::max() - b ? std::numeric_limits<std::size_t>::max()
-                                                         : a + b;
-}
-
 }  // namespace
 
 VirtualAllocator::VirtualAllocator(std::shared_ptr<Device> device,
                                    const VirtualAllocatorOptions& options)
     : device_(require_device(device)),
-      chunk_size_(resolve_chunk_size(*device_, options.chunk_size)),
+      chunk_size_(detail::resolve_chunk_size(*device_, options.chunk_size, "VirtualAllocator")),
       chunk_shift_((chunk_size_ & (chunk_size_ - 1)) == 0 ? __builtin_ctzll(chunk_size_) : -1),
       small_threshold_(resolve_small_threshold(chunk_size_, options.small_threshold)),
       pool_(device_, chunk_size_, options.budget),
@@ -82,32 +60,7 @@ std::shared_ptr<VirtualAllocator> VirtualAllocator::create(std::shared_ptr<Devic
 
 VirtualAllocator::~VirtualAllocator() {
   std::lock_guard<std::mutex> lock(mutex_);
-  // Work queued on memory of ours must finish before it is unmapped.
-  try {
-    device_->synchronize();
-  } catch (...) {
-  }
-  for (auto& entry : reservations_) {
-    Reservation& res = *entry.second;
-    // One cuMemUnmap per maximal run of mapped slots (a call may span adjacent mappings).
-    for (std::size_t i = 0; i < res.slots;) {
-      if (res.handles[i] == 0) {
-        ++i;
-        continue;
-      }
-      std::size_t j = i;
-      while (j < res.slots && res.handles[j] != 0) ++j;
-      try {
-        device_->unmap(res.base + i * chunk_size_, (j - i) * chunk_size_);
-      } catch (...) {
-      }
-      i = j;
-    }
-    try {
-      device_->free_address(res.base, res.slots * chunk_size_);
-    } catch (...) {
-    }
-  }
+  detail::tear_down_reservations(*device_, reservations_, chunk_size_);
   // The pool's destructor releases every chunk; the stream order's destroys the events.
 }
 
@@ -136,7 +89,7 @@ device_ptr VirtualAllocator::allocate_chunks(std::size_t nbytes, stream_t stream
   live_.insert(p, reinterpret_cast<std::uintptr_t>(r));
   live_chunks_ += k;
   ++live_ranges_;
-  count_allocation(nbytes, k * chunk_size_);
+  counters_.count_allocation(nbytes, k * chunk_size_);
   return p;
 }
 
@@ -164,7 +117,7 @@ device_ptr VirtualAllocator::allocate_small(std::size_t nbytes, stream_t stream)
   const device_ptr p = b->address();
   live_.insert(p, reinterpret_cast<std::uintptr_t>(b) | block_tag);
   ++live_blocks_;
-  count_allocation(nbytes, b->size);
+  counters_.count_allocation(nbytes, b->size);
   return p;
 }
 
@@ -293,7 +246,7 @@ VirtualAllocator::Range* VirtualAllocator::map_new_range(std::size_t k, std::siz
     reservations_.emplace(base, std::move(res));  // bad_alloc leaves `res` intact: undone
   } catch (const OutOfMemory&) {
     undo();
-    ++stats_.out_of_memory_count;
+    counters_.count_out_of_memory();
     throw;
   } catch (...) {
     undo();
@@ -308,7 +261,7 @@ VirtualAllocator::Range* VirtualAllocator::map_new_range(std::size_t k, std::siz
   range->arena = nullptr;
   range->work = PendingWork{};
   r->set_bounds(range);
-  note_reserved();
+  counters_.note_reserved(reserved_bytes());
   return range;
 }
 
@@ -423,7 +376,7 @@ void VirtualAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t s
     const PendingWork work = order_.on_free(stream);  // may throw: nothing changed
     live_.erase(ptr);
     --live_blocks_;
-    count_deallocation(b->requested, b->size);
+    counters_.count_deallocation(b->requested, b->size);
     ArenaChunk* c = arena_.deallocate(b, work);
     if (c != nullptr) {
       // Keep one empty arena chunk against alloc/free churn; others rejoin the range cache.
@@ -441,7 +394,7 @@ void VirtualAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t s
   live_.erase(ptr);
   live_chunks_ -= r->count;
   --live_ranges_;
-  count_deallocation(r->requested, r->count * chunk_size_);
+  counters_.count_deallocation(r->requested, r->count * chunk_size_);
   r->requested = 0;
   r->state = RangeState::cached;
   r->work = work;
@@ -536,39 +489,7 @@ std::size_t VirtualAllocator::release_cached() {
 // ---------------------------------------------------------------------------------------------
 // accounting and introspection
 
-void VirtualAllocator::count_allocation(std::size_t requested, std::size_t allocated) noexcept {
-  Stats& s = stats_;
-  s.requested_bytes += requested;
-  s.allocated_bytes += allocated;
-  ++s.live_allocations;
-  ++s.total_allocations;
-  s.peak_requested_bytes = std::max(s.peak_requested_bytes, s.requested_bytes);
-  s.peak_allocated_bytes = std::max(s.peak_allocated_bytes, s.allocated_bytes);
-  s.peak_internal_fragmentation_bytes =
-      std::max(s.peak_internal_fragmentation_bytes, s.allocated_bytes - s.requested_bytes);
-  s.peak_live_allocations = std::max(s.peak_live_allocations, s.live_allocations);
-}
-
-void VirtualAllocator::count_deallocation(std::size_t requested, std::size_t allocated) noexcept {
-  stats_.requested_bytes -= requested;
-  stats_.allocated_bytes -= allocated;
-  --stats_.live_allocations;
-  ++stats_.total_deallocations;
-}
-
-void VirtualAllocator::note_reserved() noexcept {
-  stats_.peak_reserved_bytes =
-      std::max(stats_.peak_reserved_bytes, pool_.chunks_held() * chunk_size_);
-}
-
-Stats VirtualAllocator::stats_locked() const {
-  Stats s = stats_;
-  s.reserved_bytes = pool_.chunks_held() * chunk_size_;
-  s.peak_reserved_bytes = std::max(s.peak_reserved_bytes, s.reserved_bytes);
-  s.cached_bytes = s.reserved_bytes - s.allocated_bytes;
-  s.internal_fragmentation_bytes = s.allocated_bytes - s.requested_bytes;
-  return s;
-}
+Stats VirtualAllocator::stats_locked() const { return counters_.snapshot(reserved_bytes()); }
 
 Stats VirtualAllocator::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -577,12 +498,7 @@ Stats VirtualAllocator::stats() const {
 
 void VirtualAllocator::reset_peak_stats() {
   std::lock_guard<std::mutex> lock(mutex_);
-  Stats& s = stats_;
-  s.peak_requested_bytes = s.requested_bytes;
-  s.peak_allocated_bytes = s.allocated_bytes;
-  s.peak_internal_fragmentation_bytes = s.allocated_bytes - s.requested_bytes;
-  s.peak_live_allocations = s.live_allocations;
-  s.peak_reserved_bytes = pool_.chunks_held() * chunk_size_;
+  counters_.reset_peaks(reserved_bytes());
 }
 
 std::size_t VirtualAllocator::allocation_size(device_ptr ptr) const {
@@ -628,7 +544,7 @@ ChunkStats VirtualAllocator::chunk_stats() const {
 }
 
 void VirtualAllocator::throw_out_of_memory(std::size_t nbytes, const std::string& why) {
-  ++stats_.out_of_memory_count;
+  counters_.count_out_of_memory();
   const std::size_t k = (nbytes + chunk_size_ - 1) / chunk_size_;
   const Stats s = stats_locked();
   throw OutOfMemory("VirtualAllocator: out of memory allocating " + std::to_string(nbytes) +

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "vmalloc/allocator.hpp"
+#include "vmalloc/detail/allocation_counters.hpp"
 #include "vmalloc/detail/chunk_range.hpp"
 #include "vmalloc/detail/flat_ptr_map.hpp"
 #include "vmalloc/detail/node_pool.hpp"
@@ -133,9 +134,7 @@ class VirtualAllocator final : public Allocator {
   std::size_t free_chunks() const noexcept;
   [[noreturn]] void throw_out_of_memory(std::size_t nbytes, const std::string& why);
   [[noreturn]] void throw_invalid_pointer(device_ptr ptr, const char* operation) const;
-  void count_allocation(std::size_t requested, std::size_t allocated) noexcept;
-  void count_deallocation(std::size_t requested, std::size_t allocated) noexcept;
-  void note_reserved() noexcept;
+  std::size_t reserved_bytes() const noexcept { return pool_.chunks_held() * chunk_size_; }
   Stats stats_locked() const;
 
   const std::shared_ptr<Device> device_;
@@ -157,7 +156,7 @@ class VirtualAllocator final : public Allocator {
   std::size_t live_ranges_ = 0;
   std::size_t live_blocks_ = 0;
   std::size_t stolen_ = 0;
-  Stats stats_;  // requested/allocated/counts and their peaks; reserved kept by note_reserved
+  detail::AllocationCounters counters_;  // Stats but reserved bytes (the pool's)
 };
 
 }  // namespace vmalloc
