@@ -4,7 +4,6 @@
 #include "vmalloc/c_api.h"
 
 #include <algorithm>
-#include <cstdio>
 #include <exception>
 #include <mutex>
 #include <new>
@@ -14,10 +13,13 @@
 #include <vector>
 
 #include "vmalloc/current_allocator.hpp"
+#include "vmalloc/detail/format.hpp"
 #include "vmalloc/errors.hpp"
 
 namespace vmalloc {
 namespace {
+
+using detail::hex;
 
 // ---- per-thread last error ----
 
@@ -96,12 +98,6 @@ int guarded(const char* where, Body&& body) noexcept {
   } catch (...) {
     return record_current_exception(where);
   }
-}
-
-std::string hex(device_ptr p) {
-  char buf[2 + 2 * sizeof(device_ptr) + 1];
-  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(p));
-  return buf;
 }
 
 // ---- allocations made through the ABI ----

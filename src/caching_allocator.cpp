@@ -1,23 +1,19 @@
 #include "vmalloc/caching_allocator.hpp"
 
 #include <algorithm>
-#include <cinttypes>
 #include <cstdio>
 #include <iterator>
 
+#include "vmalloc/detail/format.hpp"
 #include "vmalloc/errors.hpp"
 
 namespace vmalloc {
 
+using detail::hex;
+
 namespace {
 
 std::size_t round_up(std::size_t n, std::size_t unit) { return (n + unit - 1) / unit * unit; }
-
-std::string hex(device_ptr p) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, p);
-  return buf;
-}
 
 std::string bytes(std::size_t n) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};

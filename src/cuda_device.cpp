@@ -1,23 +1,19 @@
 #include "vmalloc/cuda_device.hpp"
 
-#include <cstdio>
 #include <vector>
 
+#include "vmalloc/detail/format.hpp"
 #include "vmalloc/errors.hpp"
 
 namespace vmalloc {
 
 using namespace driver;
 
+using detail::hex;
+
 namespace {
 
-std::string hex(std::uintptr_t value) {
-  char buf[2 + 16 + 1];
-  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(value));
-  return buf;
-}
-
-std::string hex(const void* p) { return hex(reinterpret_cast<std::uintptr_t>(p)); }
+std::string hex(const void* p) { return detail::hex(reinterpret_cast<std::uintptr_t>(p)); }
 
 // The allocation properties of every cuMemCreate, and of the granularity query (the driver
 // wants the same prop for both): pinned device memory on `ordinal`, not exportable.

@@ -11,34 +11,16 @@
 #include <fstream>
 #include <vector>
 
+#include "vmalloc/detail/format.hpp"
 #include "vmalloc/detail/memfd_arena.hpp"
 #include "vmalloc/detail/stream_set.hpp"
 
 namespace vmalloc {
 
+using detail::hex;
+using detail::human_bytes;
+
 namespace {
-
-std::string hex(std::uintptr_t v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(v));
-  return buf;
-}
-
-std::string human(std::size_t bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  double v = static_cast<double>(bytes);
-  int u = 0;
-  while (v >= 1024.0 && u < 5) {
-    v /= 1024.0;
-    ++u;
-  }
-  char buf[40];
-  if (u == 0)
-    std::snprintf(buf, sizeof buf, "%zuB", bytes);
-  else
-    std::snprintf(buf, sizeof buf, "%.2f%s", v, units[u]);
-  return buf;
-}
 
 std::string range(std::uintptr_t ptr, std::size_t size) {
   return "[" + hex(ptr) + ", " + hex(ptr + size) + ")";
@@ -152,10 +134,10 @@ bool HostDeviceState::operator==(const HostDeviceState& o) const noexcept {
 
 std::string HostDeviceState::summary() const {
   return std::to_string(physical_allocations) + " physical allocations (" +
-         human(bytes_created) + ", " + std::to_string(released_still_mapped) +
+         human_bytes(bytes_created) + ", " + std::to_string(released_still_mapped) +
          " released but still mapped), " + std::to_string(reservations) + " reservations (" +
-         human(bytes_reserved) + "), " + std::to_string(mappings) + " mappings (" +
-         human(bytes_mapped) + ", " + human(bytes_accessible) + " accessible)";
+         human_bytes(bytes_reserved) + "), " + std::to_string(mappings) + " mappings (" +
+         human_bytes(bytes_mapped) + ", " + human_bytes(bytes_accessible) + " accessible)";
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -262,7 +244,8 @@ HostDeviceState HostDevice::state() const {
 
 std::string HostDevice::state_line_locked() const {
   return name() + ": " + state_locked().summary() +
-         (capacity_ ? ", capacity " + human(capacity_) : std::string(", capacity unlimited"));
+         (capacity_ ? ", capacity " + human_bytes(capacity_)
+                    : std::string(", capacity unlimited"));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -281,9 +264,9 @@ physical_handle HostDevice::create(std::size_t size) {
          "size " + std::to_string(size) + " is larger than vmalloc's limit of 2**56 bytes",
          cu_result::invalid_value);
   if (capacity_ != 0 && size > capacity_ - std::min(capacity_, bytes_created_))
-    throw OutOfMemory("cuMemCreate on " + name() + ": cannot create " + human(size) + ": " +
-                          human(bytes_created_) + " of the capacity " + human(capacity_) +
-                          " are in use",
+    throw OutOfMemory("cuMemCreate on " + name() + ": cannot create " + human_bytes(size) +
+                          ": " + human_bytes(bytes_created_) + " of the capacity " +
+                          human_bytes(capacity_) + " are in use",
                       size, state_line_locked());
   const std::uint64_t offset = backed_ ? arena_->allocate(size) : 0;
   const physical_handle handle = next_handle_++;
@@ -356,7 +339,7 @@ device_ptr HostDevice::reserve(std::size_t size, std::size_t alignment) {
       const int err = errno;
       return_vmas(1);
       fail(DriverCall::reserve,
-           "cannot reserve " + human(size) + " of address space: " + std::strerror(err),
+           "cannot reserve " + human_bytes(size) + " of address space: " + std::strerror(err),
            cu_result::out_of_memory);
     }
     const auto start = reinterpret_cast<device_ptr>(raw);
@@ -610,7 +593,7 @@ void* HostDevice::host_alloc(std::size_t size) {
     const int err = errno;
     if (was_backed_budget) return_vmas(1);
     fail(DriverCall::host_alloc,
-         "cannot allocate " + human(size) + " of host memory: " + std::strerror(err),
+         "cannot allocate " + human_bytes(size) + " of host memory: " + std::strerror(err),
          cu_result::out_of_memory);
   }
   host_blocks_.emplace(reinterpret_cast<std::uintptr_t>(p), HostBlock{rounded});

@@ -3,21 +3,14 @@
 #include <algorithm>
 #include <string>
 
+#include "vmalloc/detail/format.hpp"
 #include "vmalloc/errors.hpp"
 
 namespace vmalloc {
 
-namespace {
+using detail::hex;
 
-std::string hex(std::uint64_t value) {
-  static const char digits[] = "0123456789abcdef";
-  std::string out;
-  do {
-    out.insert(out.begin(), digits[value & 15]);
-    value >>= 4;
-  } while (value);
-  return "0x" + out;
-}
+namespace {
 
 std::string describe(const TraceEvent& e, std::uint64_t index) {
   return std::string("trace event ") + std::to_string(index) + " (" +

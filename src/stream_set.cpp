@@ -1,20 +1,12 @@
 #include "vmalloc/detail/stream_set.hpp"
 
 #include <condition_variable>
-#include <cstdio>
 #include <vector>
 
+#include "vmalloc/detail/format.hpp"
 #include "vmalloc/errors.hpp"
 
 namespace vmalloc::detail {
-
-namespace {
-std::string hex(std::uintptr_t v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(v));
-  return buf;
-}
-}  // namespace
 
 StreamSet::StreamSet(std::string device_name) : device_name_(std::move(device_name)) {
   streams_.emplace(0, std::make_shared<StreamWorker>());
