@@ -21,6 +21,7 @@ import threading
 
 from vmalloc import _current_allocator
 from vmalloc._current_allocator import STATUS, last_error
+from vmalloc._device_map import as_device_map
 from vmalloc.errors import InvalidArgumentError, OutOfMemoryError, VmallocError
 
 __all__ = ["VmallocCupyAllocator", "use_vmalloc", "malloc"]
@@ -126,24 +127,6 @@ class VmallocCupyAllocator:
         return "<vmalloc.cupy.VmallocCupyAllocator>"
 
 
-def _as_device_map(allocators):
-    """{ordinal: allocator} from one allocator (for its own device's ordinal) or a mapping."""
-    from vmalloc._allocator import Allocator
-
-    if isinstance(allocators, Allocator):
-        return {allocators.device.ordinal: allocators}
-    if hasattr(allocators, "items"):
-        result = {}
-        for device, allocator in allocators.items():
-            if not isinstance(allocator, Allocator):
-                raise TypeError(f"allocator for device {device} must be a vmalloc.Allocator, "
-                                f"got {type(allocator).__name__}")
-            result[device] = allocator
-        return result
-    raise TypeError(f"expected a vmalloc.Allocator or a {{device: Allocator}} mapping, "
-                    f"got {type(allocators).__name__}")
-
-
 class use_vmalloc:
     """Makes vmalloc CuPy's allocator, now; as a context manager, restores on exit.
 
@@ -162,7 +145,7 @@ class use_vmalloc:
 
     def __init__(self, allocators):
         cupy = _cupy()
-        mapping = _as_device_map(allocators)
+        mapping = as_device_map(allocators)
         self._previous_vmalloc = {}
         try:
             for device, allocator in mapping.items():

@@ -22,6 +22,7 @@ import threading
 
 from vmalloc import _current_allocator
 from vmalloc._current_allocator import library_path
+from vmalloc._device_map import as_device_map
 from vmalloc.errors import OutOfMemoryError, VmallocError
 
 __all__ = [
@@ -80,23 +81,6 @@ def pluggable_allocator():
         return _pluggable
 
 
-def _as_device_map(allocators):
-    from vmalloc._allocator import Allocator
-
-    if isinstance(allocators, Allocator):
-        return {allocators.device.ordinal: allocators}
-    if hasattr(allocators, "items"):
-        result = {}
-        for device, allocator in allocators.items():
-            if not isinstance(allocator, Allocator):
-                raise TypeError(f"allocator for device {device} must be a vmalloc.Allocator, "
-                                f"got {type(allocator).__name__}")
-            result[_device_index(device)] = allocator
-        return result
-    raise TypeError(f"expected a vmalloc.Allocator or a {{device: Allocator}} mapping, "
-                    f"got {type(allocators).__name__}")
-
-
 def use_vmalloc(allocators):
     """Makes vmalloc PyTorch's CUDA allocator for the rest of the process.
 
@@ -111,7 +95,7 @@ def use_vmalloc(allocators):
     initialized CUDA (and with it its own allocator), which PyTorch cannot undo.
     """
     global _installed
-    mapping = _as_device_map(allocators)
+    mapping = as_device_map(allocators, _device_index)
     torch = _torch_with_cuda()
     with _lock:
         installed = _installed
