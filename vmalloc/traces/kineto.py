@@ -12,7 +12,7 @@ from vmalloc.errors import TraceFormatError
 from vmalloc.traces._fields import device_name, u64
 from vmalloc.traces._files import open_text
 from vmalloc.traces._json_stream import JsonEventScanner
-from vmalloc.traces._normalize import scan_before_window
+from vmalloc.traces._record_reader import RecordReaderPass
 from vmalloc.traces.events import ALLOC, FREE
 
 #: c10::DeviceType values.
@@ -25,7 +25,7 @@ def _device_label(device_type, device_id):
     return name if device_type == 0 else f"{name}:{device_id}"
 
 
-class KinetoReader:
+class KinetoReader(RecordReaderPass):
     """The memory events of one device of a profiler trace."""
 
     format = "kineto"
@@ -114,14 +114,3 @@ class KinetoReader:
                 + (" (pass device='cpu')" if any(t == 0 for t, _ in devices) else ""),
                 path,
             )
-
-    def live_before(self):
-        """Addresses freed before being allocated in the trace (``before_window="live"``)."""
-        return scan_before_window(self.records())
-
-    def finish(self, info):
-        """Adds what only a full pass knows to ``info``."""
-        info.metadata.update(self.metadata)
-        for reason, count in self.skipped.items():
-            info.skip(reason, count)
-        self.skipped = {}

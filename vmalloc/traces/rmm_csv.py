@@ -16,7 +16,7 @@ import zlib
 from vmalloc.errors import TraceFormatError
 from vmalloc.traces._fields import U64_MAX
 from vmalloc.traces._files import open_text
-from vmalloc.traces._normalize import scan_before_window
+from vmalloc.traces._record_reader import RecordReaderPass
 from vmalloc.traces.events import ALLOC, FREE
 
 REQUIRED_COLUMNS = ("Action", "Pointer", "Size")
@@ -60,7 +60,7 @@ def _size(text, path, line):
     return value
 
 
-class RmmCsvReader:
+class RmmCsvReader(RecordReaderPass):
     """The events of an RMM logging CSV."""
 
     format = "rmm_csv"
@@ -129,14 +129,3 @@ class RmmCsvReader:
                 ) from None
             except (OSError, EOFError, zlib.error) as error:  # a truncated or corrupt .gz
                 raise TraceFormatError(f"cannot read: {error}", path, rows.line_num + 1) from None
-
-    def live_before(self):
-        """Addresses freed before being allocated in the log (``before_window="live"``)."""
-        return scan_before_window(self.records())
-
-    def finish(self, info):
-        """Adds what only a full pass knows to ``info``."""
-        info.metadata.update(self.metadata)
-        for reason, count in self.skipped.items():
-            info.skip(reason, count)
-        self.skipped = {}
