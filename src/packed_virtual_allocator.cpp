@@ -95,7 +95,10 @@ device_ptr PackedVirtualAllocator::allocate(std::size_t nbytes, stream_t stream)
     blocks_.release(spare);
   };
 
-  Block* h = holes_[kind].best_fit(size / packed_block_bytes, stream);
+  Block* h = holes_[kind].best_fit(size / packed_block_bytes, stream, [&](const Block* b) {
+    return unmapped_in(b->reservation, b->offset / chunk_size_,
+                       (b->offset + size - 1) / chunk_size_);
+  });
   try {
     if (h == nullptr) {
       // A fresh reservation needs ceil(size / mc) chunks: decide before reserving anything.

@@ -141,6 +141,27 @@ def test_freed_holes_merge_and_are_reused_best_fit_without_driver_calls():
     assert delta(before, dev.counters()) == {}
 
 
+def test_a_slightly_larger_hole_on_mapped_slots_beats_an_exact_fit_needing_mappings():
+    """Best fit would map two chunks under x1's old 4 MiB hole (unmapped by release_cached)
+    and steal one from elsewhere; the hole one 512-byte block larger lies wholly on mapped
+    slots, so it is taken without a driver call."""
+    dev = vmalloc.HostDevice(backed=False)
+    va = packed(dev, small_threshold=0)
+    x1 = va.allocate(4 * MiB)                  # slots 0-1
+    va.allocate(512)                           # slot 2: keeps the holes apart
+    x2 = va.allocate(4 * MiB + 512)            # slots 2-4
+    va.allocate(512)                           # slot 4
+    va.deallocate(x1)
+    va.release_cached()                        # slots 0-1 unmapped; 2-4 stay (live)
+    va.deallocate(x2)                          # its 4 MiB + 512 hole: slots 2-4, all mapped
+    before = dev.counters()
+    assert va.allocate(4 * MiB) == x2
+    assert delta(before, dev.counters()) == {}
+    # With no larger hole on mapped slots, best fit stands: x1's hole, mapping its 2 slots.
+    assert va.allocate(4 * MiB) == x1
+    assert delta(before, dev.counters()) == {"create": 2, "map": 2, "set_access": 1}
+
+
 def test_steady_training_step_makes_no_driver_calls_after_warm_up():
     """A forward pass allocating activations of assorted sizes, a backward pass freeing them
     in reverse with gradients and temporaries: the same slots every step."""

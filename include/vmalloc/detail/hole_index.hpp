@@ -53,14 +53,27 @@ class HoleIndex {
 
   // The best hole of at least `units` blocks: the smallest; among equal sizes one that
   // `stream` may use at once, then the lowest address. nullptr if none fits.
-  PackedBlock* best_fit(std::size_t units, stream_t stream) const noexcept {
+  //
+  // `unmapped(b)` counts the slots a block placed at b's start would have to map. If the
+  // best exact-size fit needs some, the next `scan` sizes up are tried for a hole that
+  // needs none (and is as usable on `stream`): a hole a little larger on chunks already
+  // mapped costs no memory now, where the best fit would steal a chunk from elsewhere, and
+  // a repeating step would then steal it back (remapping every step). Larger holes than the
+  // exact buckets are not tried: that would break up a reservation's tail.
+  template <typename Unmapped>
+  PackedBlock* best_fit(std::size_t units, stream_t stream, Unmapped&& unmapped) const {
     if (units < exact_) {
       const std::size_t u = buckets_.best_fit(units);
       if (u != buckets_.npos) {
-        PackedBlock* best = nullptr;
-        int n = 0;
-        for (PackedBlock* b = buckets_.head(u); b != nullptr && n < scan; b = b->bucket_next, ++n)
-          if (best == nullptr || better(b, best, stream)) best = b;
+        PackedBlock* best = best_in(u, stream);
+        if (unmapped(best) == 0) return best;
+        const bool usable = StreamOrder::free_on(best->work, stream);
+        int k = 0;
+        for (std::size_t v = buckets_.best_fit(u + 1); v != buckets_.npos && k < scan;
+             v = buckets_.best_fit(v + 1), ++k) {
+          PackedBlock* b = best_in(v, stream);
+          if ((!usable || StreamOrder::free_on(b->work, stream)) && unmapped(b) == 0) return b;
+        }
         return best;
       }
     }
@@ -84,6 +97,15 @@ class HoleIndex {
   }
 
  private:
+  // The best of the first `scan` holes of exact size `u` (non-empty).
+  PackedBlock* best_in(std::size_t u, stream_t stream) const noexcept {
+    PackedBlock* best = nullptr;
+    int n = 0;
+    for (PackedBlock* b = buckets_.head(u); b != nullptr && n < scan; b = b->bucket_next, ++n)
+      if (best == nullptr || better(b, best, stream)) best = b;
+    return best;
+  }
+
   // Same size: usable at once on `stream` first, then the lower address (packs low, so
   // that the top of the space empties and its chunks can be stolen).
   static bool better(const PackedBlock* a, const PackedBlock* b, stream_t stream) noexcept {
