@@ -4,9 +4,19 @@ Add a device or allocator kind by adding an entry below; a kind whose class is n
 is skipped, not failed, so suites can land before every backend does.
 """
 
+import os
+
 import pytest
+from hypothesis import settings
 
 import vmalloc
+
+# CI (the CI variable set, as .ci/run does) draws the same hypothesis examples on every run, so
+# a red CI means a regression, not an unlucky draw; elsewhere every run explores new examples.
+# HYPOTHESIS_PROFILE=ci|dev chooses explicitly.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("dev", print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
 def _host_device(**options):
