@@ -27,6 +27,19 @@ namespace {
 
 using Lock = std::unique_lock<std::recursive_mutex>;
 
+// Records what a call just created on the emulated GPU in the emulator's tables; if recording
+// throws (the emulator is out of host memory), `give_back` undoes the creation, so a failed
+// call leaks nothing. Returns what `record` returns (the new handle, for calls that make one).
+template <class Record, class GiveBack>
+auto record_or_give_back(Record&& record, GiveBack&& give_back) {
+  try {
+    return record();
+  } catch (...) {
+    give_back();
+    throw;
+  }
+}
+
 // Runs one entry point: count, fault injection, then `body(emulator)`, which returns the
 // CUresult (CUDA_SUCCESS, or CUDA_ERROR_NOT_READY from cuEventQuery) or throws.
 template <class Body>
@@ -302,14 +315,13 @@ VMALLOC_EMULATOR_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle* handl
     e.current_gpu();
     Gpu& gpu = check_prop(e, prop);
     const physical_handle host = gpu.device->create(size);
-    try {
-      const CUmemGenericAllocationHandle h = e.next_allocation_handle();
-      e.allocations().emplace(h, Emulator::Allocation{gpu.ordinal, host, size});
-      *handle = h;
-    } catch (...) {
-      gpu.device->release(host);
-      throw;
-    }
+    *handle = record_or_give_back(
+        [&] {
+          const CUmemGenericAllocationHandle h = e.next_allocation_handle();
+          e.allocations().emplace(h, Emulator::Allocation{gpu.ordinal, host, size});
+          return h;
+        },
+        [&] { gpu.device->release(host); });
     return CUDA_SUCCESS;
   });
 }
@@ -345,12 +357,9 @@ VMALLOC_EMULATOR_EXPORT CUresult cuMemAddressReserve(CUdeviceptr* ptr, std::size
     Lock lock(e.mutex());
     Gpu& gpu = e.current_gpu();
     const device_ptr base = gpu.device->reserve(size, alignment);
-    try {
-      e.reservations().emplace(base, Emulator::Reservation{gpu.ordinal, size});
-    } catch (...) {
-      gpu.device->free_address(base, size);
-      throw;
-    }
+    record_or_give_back(
+        [&] { e.reservations().emplace(base, Emulator::Reservation{gpu.ordinal, size}); },
+        [&] { gpu.device->free_address(base, size); });
     *ptr = base;
     return CUDA_SUCCESS;
   });
@@ -391,12 +400,8 @@ VMALLOC_EMULATOR_EXPORT CUresult cuMemMap(CUdeviceptr ptr, std::size_t size, std
                std::to_string(reservation->second.ordinal) + " is not emulated");
     Gpu& gpu = e.gpu(allocation->second.ordinal);
     gpu.device->map(ptr, size, allocation->second.host);
-    try {
-      e.mappings().emplace(ptr, Emulator::Mapping{size, handle});
-    } catch (...) {
-      gpu.device->unmap(ptr, size);
-      throw;
-    }
+    record_or_give_back([&] { e.mappings().emplace(ptr, Emulator::Mapping{size, handle}); },
+                        [&] { gpu.device->unmap(ptr, size); });
     ++allocation->second.mappings;
     return CUDA_SUCCESS;
   });
@@ -470,12 +475,9 @@ VMALLOC_EMULATOR_EXPORT CUresult cuMemHostAlloc(void** ptr, std::size_t size, un
     Lock lock(e.mutex());
     Gpu& gpu = e.current_gpu();
     void* block = gpu.device->host_alloc(size);
-    try {
-      e.host_blocks().emplace(block, Emulator::HostBlock{gpu.ordinal, size});
-    } catch (...) {
-      gpu.device->host_free(block);
-      throw;
-    }
+    record_or_give_back(
+        [&] { e.host_blocks().emplace(block, Emulator::HostBlock{gpu.ordinal, size}); },
+        [&] { gpu.device->host_free(block); });
     *ptr = block;
     return CUDA_SUCCESS;
   });
@@ -508,14 +510,14 @@ VMALLOC_EMULATOR_EXPORT CUresult cuStreamCreate(CUstream* stream, unsigned int f
     Lock lock(e.mutex());
     Gpu& gpu = e.current_gpu();
     const stream_t host = gpu.device->create_stream();
-    try {
-      const std::uintptr_t handle = e.next_stream_handle();
-      e.streams().emplace(handle, Emulator::Stream{gpu.ordinal, host, flags});
-      *stream = reinterpret_cast<CUstream>(handle);
-    } catch (...) {
-      gpu.device->destroy_stream(host);
-      throw;
-    }
+    const std::uintptr_t handle = record_or_give_back(
+        [&] {
+          const std::uintptr_t h = e.next_stream_handle();
+          e.streams().emplace(h, Emulator::Stream{gpu.ordinal, host, flags});
+          return h;
+        },
+        [&] { gpu.device->destroy_stream(host); });
+    *stream = reinterpret_cast<CUstream>(handle);
     return CUDA_SUCCESS;
   });
 }
@@ -589,14 +591,14 @@ VMALLOC_EMULATOR_EXPORT CUresult cuEventCreate(CUevent* event, unsigned int flag
     Lock lock(e.mutex());
     Gpu& gpu = e.current_gpu();
     const event_t host = gpu.device->create_event();
-    try {
-      const std::uintptr_t handle = e.next_event_handle();
-      e.events().emplace(handle, Emulator::Event{gpu.ordinal, host});
-      *event = reinterpret_cast<CUevent>(handle);
-    } catch (...) {
-      gpu.device->destroy_event(host);
-      throw;
-    }
+    const std::uintptr_t handle = record_or_give_back(
+        [&] {
+          const std::uintptr_t h = e.next_event_handle();
+          e.events().emplace(h, Emulator::Event{gpu.ordinal, host});
+          return h;
+        },
+        [&] { gpu.device->destroy_event(host); });
+    *event = reinterpret_cast<CUevent>(handle);
     return CUDA_SUCCESS;
   });
 }
