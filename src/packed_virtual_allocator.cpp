@@ -40,6 +40,10 @@ std::size_t resolve_small_threshold(std::size_t threshold) {
   return threshold;
 }
 
+unsigned power_of_two_shift(std::size_t n) {
+  return n != 0 && (n & (n - 1)) == 0 ? static_cast<unsigned>(__builtin_ctzll(n)) : 0u;
+}
+
 std::size_t resolve_reservation_size(std::size_t chunk_size, std::size_t bytes) {
   if (bytes == 0) bytes = std::max(default_reservation_size, chunk_size);
   if (bytes > max_request_bytes)
@@ -55,6 +59,7 @@ PackedVirtualAllocator::PackedVirtualAllocator(std::shared_ptr<Device> device,
     : device_(require_device(device)),
       chunk_size_(detail::resolve_chunk_size(*device_, options.chunk_size,
                                              "PackedVirtualAllocator", packed_block_bytes)),
+      chunk_shift_(power_of_two_shift(chunk_size_)),
       small_threshold_(resolve_small_threshold(options.small_threshold)),
       reservation_size_(resolve_reservation_size(chunk_size_, options.reservation_size)),
       steal_before_create_(options.steal_before_create),
@@ -96,8 +101,7 @@ device_ptr PackedVirtualAllocator::allocate(std::size_t nbytes, stream_t stream)
   };
 
   Block* h = holes_[kind].best_fit(size / packed_block_bytes, stream, [&](const Block* b) {
-    return unmapped_in(b->reservation, b->offset / chunk_size_,
-                       (b->offset + size - 1) / chunk_size_);
+    return unmapped_in(b->reservation, slot_of(b->offset), slot_of(b->offset + size - 1));
   });
   try {
     if (h == nullptr) {
@@ -113,8 +117,8 @@ device_ptr PackedVirtualAllocator::allocate(std::size_t nbytes, stream_t stream)
       created = h->reservation;
     }
     Reservation* res = h->reservation;
-    std::size_t first = h->offset / chunk_size_;
-    std::size_t last = (h->offset + size - 1) / chunk_size_;
+    std::size_t first = slot_of(h->offset);
+    std::size_t last = slot_of(h->offset + size - 1);
     std::size_t need = unmapped_in(res, first, last);
     if (need > 0) {
       const std::size_t in_pool = pool_.chunks_cached();

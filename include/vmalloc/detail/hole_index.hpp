@@ -62,7 +62,7 @@ class HoleIndex {
   // exact buckets are not tried: that would break up a reservation's tail.
   template <typename Unmapped>
   PackedBlock* best_fit(std::size_t units, stream_t stream, Unmapped&& unmapped) const {
-    if (units < exact_) {
+    if (units < exact_ && !buckets_.empty()) {  // no bitmap search while no hole is bucketed
       const std::size_t u = buckets_.best_fit(units);
       if (u != buckets_.npos) {
         PackedBlock* best = best_in(u, stream);
