@@ -2,67 +2,8 @@
 
 namespace vmalloc::detail {
 
-namespace {
-// Candidates examined in the best-fit size list for one on the caller's stream.
-constexpr int same_stream_scan = 8;
-}  // namespace
-
-void SmallBlockArena::insert_free(ArenaBlock* block) {
-  free_.insert(block, block->size / block_unit);
-  free_bytes_ += block->size;
-  ++block->chunk->free_blocks;
-}
-
-void SmallBlockArena::remove_free(ArenaBlock* block) noexcept {
-  free_.remove(block);
-  free_bytes_ -= block->size;
-  --block->chunk->free_blocks;
-}
-
-ArenaBlock* SmallBlockArena::pick(std::size_t units, stream_t stream) {
-  const std::size_t bucket = free_.best_fit(units);
-  if (bucket == free_.npos) return nullptr;
-  ArenaBlock* head = free_.head(bucket);
-  // Prefer a block the stream may use at once, then one whose free has completed.
-  int n = 0;
-  for (ArenaBlock* b = head; b != nullptr && n < same_stream_scan; b = b->bucket_next, ++n)
-    if (StreamOrder::free_on(b->work, stream)) return b;
-  n = 0;
-  for (ArenaBlock* b = head; b != nullptr && n < same_stream_scan; b = b->bucket_next, ++n)
-    if (order_.completed(b->work)) return b;
-  return head;
-}
-
-ArenaBlock* SmallBlockArena::allocate(std::size_t nbytes, stream_t stream) {
-  const std::size_t size = round_up(nbytes);
-  ArenaBlock* block = pick(size / block_unit, stream);
-  if (block == nullptr) return nullptr;
-  order_.make_usable_on(block->work, stream);  // may throw: the block stays free as it was
-  ArenaBlock* rest = nullptr;
-  if (block->size > size) rest = blocks_.acquire();  // may throw bad_alloc: nothing changed
-  remove_free(block);
-  if (rest != nullptr) {
-    rest->chunk = block->chunk;
-    rest->offset = block->offset + size;
-    rest->size = block->size - size;
-    rest->requested = 0;
-    rest->free = true;
-    rest->work = order_.share(block->work);
-    rest->prev = block;
-    rest->next = block->next;
-    if (block->next != nullptr) block->next->prev = rest;
-    block->next = rest;
-    block->size = size;
-    insert_free(rest);  // cannot allocate: the buckets cover a whole chunk (add_chunk)
-  }
-  order_.drop(block->work);
-  block->free = false;
-  if (block->chunk->live_blocks++ == 0) --empty_chunks_;
-  return block;
-}
-
 ArenaChunk* SmallBlockArena::add_chunk(device_ptr base, void* owner) {
-  free_.reserve(chunk_size_ / block_unit);
+  free_.reserve(bucket_of(chunk_size_ / block_unit));
   ArenaChunk* chunk = chunk_nodes_.acquire();
   ArenaBlock* block;
   try {
@@ -91,35 +32,6 @@ ArenaChunk* SmallBlockArena::add_chunk(device_ptr base, void* owner) {
   block->work = PendingWork{};  // fresh memory: nothing pending
   insert_free(block);
   return chunk;
-}
-
-ArenaChunk* SmallBlockArena::deallocate(ArenaBlock* block, PendingWork work) noexcept {
-  ArenaChunk* chunk = block->chunk;
-  block->free = true;
-  block->requested = 0;
-  block->work = work;
-  if (--chunk->live_blocks == 0) ++empty_chunks_;
-  if (ArenaBlock* left = block->prev;
-      left != nullptr && left->free && StreamOrder::can_merge(left->work, block->work)) {
-    remove_free(left);
-    left->size += block->size;
-    order_.merge_into(left->work, block->work);
-    left->next = block->next;
-    if (block->next != nullptr) block->next->prev = left;
-    blocks_.release(block);
-    block = left;
-  }
-  if (ArenaBlock* right = block->next;
-      right != nullptr && right->free && StreamOrder::can_merge(block->work, right->work)) {
-    remove_free(right);
-    block->size += right->size;
-    order_.merge_into(block->work, right->work);
-    block->next = right->next;
-    if (right->next != nullptr) right->next->prev = block;
-    blocks_.release(right);
-  }
-  insert_free(block);
-  return block->size == chunk_size_ ? chunk : nullptr;
 }
 
 bool SmallBlockArena::removable_without_sync(const ArenaChunk* chunk) const noexcept {

@@ -93,25 +93,28 @@ device_ptr VirtualAllocator::allocate_chunks(std::size_t nbytes, stream_t stream
   return p;
 }
 
-device_ptr VirtualAllocator::allocate_small(std::size_t nbytes, stream_t stream) {
-  ArenaBlock* b = arena_.allocate(nbytes, stream);
-  if (b == nullptr) {
-    // No free block is large enough: a chunk joins the arena, taken like a 1-chunk request.
-    Range* r = take_cached(1, stream);
-    if (r == nullptr) r = map_new_range(1, nbytes, stream);
-    ArenaChunk* c;
-    try {
-      c = arena_.add_chunk(address_of(r), r);
-    } catch (...) {
-      r->state = RangeState::cached;
-      cache_range(r);
-      throw;
-    }
-    r->state = RangeState::arena;
-    r->arena = c;
-    b = arena_.allocate(nbytes, stream);  // fits the new chunk, which has no pending work
-    if (b == nullptr) throw std::logic_error("VirtualAllocator: a new arena chunk did not fit");
+ArenaBlock* VirtualAllocator::grow_arena(std::size_t nbytes, stream_t stream) {
+  // No free block is large enough: a chunk joins the arena, taken like a 1-chunk request.
+  Range* r = take_cached(1, stream);
+  if (r == nullptr) r = map_new_range(1, nbytes, stream);
+  ArenaChunk* c;
+  try {
+    c = arena_.add_chunk(address_of(r), r);
+  } catch (...) {
+    r->state = RangeState::cached;
+    cache_range(r);
+    throw;
   }
+  r->state = RangeState::arena;
+  r->arena = c;
+  ArenaBlock* b = arena_.allocate(nbytes, stream);  // fits the new chunk: no pending work
+  if (b == nullptr) throw std::logic_error("VirtualAllocator: a new arena chunk did not fit");
+  return b;
+}
+
+inline device_ptr VirtualAllocator::allocate_small(std::size_t nbytes, stream_t stream) {
+  ArenaBlock* b = arena_.allocate(nbytes, stream);
+  if (b == nullptr) b = grow_arena(nbytes, stream);
   if (b->chunk == spare_) spare_ = nullptr;
   b->requested = nbytes;
   const device_ptr p = b->address();

@@ -107,6 +107,9 @@ class VirtualAllocator final : public Allocator {
   // All private members run with mutex_ held.
   device_ptr allocate_chunks(std::size_t nbytes, stream_t stream);
   device_ptr allocate_small(std::size_t nbytes, stream_t stream);
+  // The small path's miss: a chunk joins the arena; returns a block of it. Out of line (cold)
+  // so that the hit path compiles into allocate().
+  __attribute__((noinline)) detail::ArenaBlock* grow_arena(std::size_t nbytes, stream_t stream);
   // A cached range of >= k chunks, cut to k and made usable on `stream`; nullptr on a miss.
   Range* take_cached(std::size_t k, stream_t stream);
   // A new reservation of k chunks, mapped and accessible. Throws OutOfMemory (accounting

@@ -59,6 +59,10 @@ class SmallBlockArena {
   static std::size_t round_up(std::size_t nbytes) noexcept {
     return (nbytes + block_unit - 1) / block_unit * block_unit;
   }
+  // The size bucket of a free block of `units` (>= 1): units - 1, so that a whole chunk (a
+  // multiple of 64 units from 32 KiB up) sits at the top of a bitmap word, the word of the
+  // nearly whole remainders it is split into: a split or merge then rarely empties a word.
+  static std::size_t bucket_of(std::size_t units) noexcept { return units - 1; }
 
   SmallBlockArena(std::size_t chunk_size, StreamOrder& order)
       : chunk_size_(chunk_size), order_(order) {}
@@ -99,6 +103,9 @@ class SmallBlockArena {
   }
 
  private:
+  // Candidates examined in the best-fit size list for one on the caller's stream.
+  static constexpr int same_stream_scan = 8;
+
   ArenaBlock* pick(std::size_t units, stream_t stream);
   void insert_free(ArenaBlock* block);
   void remove_free(ArenaBlock* block) noexcept;
@@ -113,5 +120,98 @@ class SmallBlockArena {
   std::size_t empty_chunks_ = 0;
   std::size_t free_bytes_ = 0;
 };
+
+
+// ---------------------------------------------------------------------------------------------
+// The cache-hit path, inline so that the allocator's allocate/deallocate compile into one
+// function each (a call per layer cost more than the bookkeeping itself).
+
+inline void SmallBlockArena::insert_free(ArenaBlock* block) {
+  free_.insert(block, bucket_of(block->size / block_unit));
+  free_bytes_ += block->size;
+  ++block->chunk->free_blocks;
+}
+
+inline void SmallBlockArena::remove_free(ArenaBlock* block) noexcept {
+  free_.remove(block);
+  free_bytes_ -= block->size;
+  --block->chunk->free_blocks;
+}
+
+inline ArenaBlock* SmallBlockArena::pick(std::size_t units, stream_t stream) {
+  const std::size_t bucket = free_.best_fit(bucket_of(units));
+  if (bucket == free_.npos) return nullptr;
+  ArenaBlock* head = free_.head(bucket);
+  // Prefer a block the stream may use at once, then one whose free has completed.
+  int n = 0;
+  for (ArenaBlock* b = head; b != nullptr && n < same_stream_scan; b = b->bucket_next, ++n)
+    if (StreamOrder::free_on(b->work, stream)) return b;
+  n = 0;
+  for (ArenaBlock* b = head; b != nullptr && n < same_stream_scan; b = b->bucket_next, ++n)
+    if (order_.completed(b->work)) return b;
+  return head;
+}
+
+inline ArenaBlock* SmallBlockArena::allocate(std::size_t nbytes, stream_t stream) {
+  const std::size_t size = round_up(nbytes);
+  ArenaBlock* block = pick(size / block_unit, stream);
+  if (block == nullptr) return nullptr;
+  order_.make_usable_on(block->work, stream);  // may throw: the block stays free as it was
+  if (block->size > size) {
+    ArenaBlock* rest = blocks_.acquire();  // may throw bad_alloc: nothing changed
+    rest->chunk = block->chunk;
+    rest->offset = block->offset + size;
+    rest->size = block->size - size;
+    rest->requested = 0;
+    rest->free = true;
+    rest->work = order_.share(block->work);
+    rest->prev = block;
+    rest->next = block->next;
+    if (block->next != nullptr) block->next->prev = rest;
+    block->next = rest;
+    // The rest joins the buckets before the block leaves them: sizes this close usually share
+    // a bitmap word, which then never empties (one level touched instead of all).
+    insert_free(rest);  // cannot allocate: the buckets cover a whole chunk (add_chunk)
+    remove_free(block);
+    block->size = size;
+  } else {
+    remove_free(block);
+  }
+  order_.drop(block->work);
+  block->free = false;
+  if (block->chunk->live_blocks++ == 0) --empty_chunks_;
+  return block;
+}
+
+inline ArenaChunk* SmallBlockArena::deallocate(ArenaBlock* block, PendingWork work) noexcept {
+  ArenaChunk* chunk = block->chunk;
+  block->free = true;
+  block->requested = 0;
+  block->work = work;
+  if (--chunk->live_blocks == 0) ++empty_chunks_;
+  if (ArenaBlock* left = block->prev;
+      left != nullptr && left->free && StreamOrder::can_merge(left->work, block->work)) {
+    remove_free(left);
+    left->size += block->size;
+    order_.merge_into(left->work, block->work);
+    left->next = block->next;
+    if (block->next != nullptr) block->next->prev = left;
+    blocks_.release(block);
+    block = left;
+  }
+  if (ArenaBlock* right = block->next;
+      right != nullptr && right->free && StreamOrder::can_merge(block->work, right->work)) {
+    block->size += right->size;
+    order_.merge_into(block->work, right->work);
+    block->next = right->next;
+    if (right->next != nullptr) right->next->prev = block;
+    insert_free(block);  // before the right block leaves the buckets: see allocate()
+    remove_free(right);
+    blocks_.release(right);
+  } else {
+    insert_free(block);
+  }
+  return block->size == chunk_size_ ? chunk : nullptr;
+}
 
 }  // namespace vmalloc::detail
