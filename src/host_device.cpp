@@ -627,9 +627,11 @@ bool HostDevice::host_range_pinned(std::uintptr_t ptr, std::size_t n) const {
 // ---------------------------------------------------------------------------------------------
 // Streams and events.
 
-stream_t HostDevice::create_stream() {
+stream_t HostDevice::create_stream() { return create_stream(false); }
+
+stream_t HostDevice::create_stream(bool non_blocking) {
   count(DriverCall::stream_create);
-  return streams_->create_stream();
+  return streams_->create_stream(non_blocking);
 }
 
 void HostDevice::destroy_stream(stream_t stream) {

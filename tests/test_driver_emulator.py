@@ -14,6 +14,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 from ctypes import byref, c_char_p, c_int, c_size_t, c_ulonglong, c_void_p
 from pathlib import Path
 
@@ -811,3 +812,34 @@ def test_reset_starts_over():
         print(cu.cuDeviceGetCount(byref(n)), cu.cuInit(0), cu.cuCtxSetCurrent(ctx))
     """)
     assert proc.stdout.splitlines() == ["True 1 0", "3 0 201"]
+
+
+def test_non_blocking_streams_do_not_wait_for_the_default_stream(drv, emu):
+    # The driver's ordering, made observable with a hold: a CU_STREAM_DEFAULT stream waits for
+    # the held NULL stream, a CU_STREAM_NON_BLOCKING one does not (code that forgets an event
+    # between them races on a GPU, and does here).
+    cu = drv.cu
+    blocking, free, e_blocking, e_free = c_void_p(), c_void_p(), c_void_p(), c_void_p()
+    drv.ok(cu.cuStreamCreate(byref(blocking), 0))
+    drv.ok(cu.cuStreamCreate(byref(free), abi.CU_STREAM_NON_BLOCKING))
+    drv.ok(cu.cuEventCreate(byref(e_blocking), abi.CU_EVENT_DISABLE_TIMING))
+    drv.ok(cu.cuEventCreate(byref(e_free), abi.CU_EVENT_DISABLE_TIMING))
+    token = emu.hold_stream(0)
+    assert token[0] == drv.ordinal
+    drv.ok(cu.cuEventRecord(e_blocking, blocking))
+    drv.ok(cu.cuEventRecord(e_free, free))
+    # e_free completes while the NULL stream is held (a bounded poll: a wrongful wait fails
+    # the test instead of hanging it; a correct emulator completes at once).
+    deadline = time.monotonic() + 60
+    while cu.cuEventQuery(e_free) == abi.CUDA_ERROR_NOT_READY and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert cu.cuEventQuery(e_free) == 0, "a non-blocking stream waited for the NULL stream"
+    assert cu.cuEventQuery(e_blocking) == abi.CUDA_ERROR_NOT_READY
+    emu.release_hold(token)
+    drv.ok(cu.cuEventSynchronize(e_blocking))
+    with pytest.raises(vmalloc.DeviceError, match="not a live hold|hold"):
+        emu.release_hold(token)
+    for e in (e_blocking, e_free):
+        drv.ok(cu.cuEventDestroy(e))
+    for s in (blocking, free):
+        drv.ok(cu.cuStreamDestroy(s))

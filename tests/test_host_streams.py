@@ -199,6 +199,56 @@ def test_other_streams_wait_for_default_stream(dev):
     assert dev.query_event(e) is True
 
 
+def completes_while_held(dev, hold, wait):
+    """Runs ``wait()`` in a thread while ``hold`` blocks a stream; True if it returned before
+    the hold was released. The bound only turns a wrongful wait into a failure instead of a
+    hang: a correct device returns at once."""
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (wait(), done.set()))
+    t.start()
+    t.join(60)
+    returned = done.is_set()
+    dev.release_hold(hold)
+    t.join()
+    return returned
+
+
+def test_non_blocking_stream_does_not_wait_for_default_stream(dev):
+    s = dev.create_stream(non_blocking=True)
+    e = dev.create_event()
+    hold = dev.hold_stream(0)
+    dev.record_event(e, s)
+    assert completes_while_held(dev, hold, lambda: dev.synchronize_event(e))
+
+
+def test_default_stream_does_not_wait_for_non_blocking_stream(dev):
+    s = dev.create_stream(non_blocking=True)
+    e = dev.create_event()
+    hold = dev.hold_stream(s)
+    dev.record_event(e, 0)
+    assert completes_while_held(dev, hold, lambda: dev.synchronize_event(e))
+
+
+def test_blocking_and_non_blocking_streams_together(dev):
+    blocking = dev.create_stream()
+    free = dev.create_stream(non_blocking=True)
+    p = mapped(dev, G)
+    e_blocking, e_free = dev.create_event(), dev.create_event()
+    hold = dev.hold_stream(0)
+    dev.record_event(e_blocking, blocking)  # waits for the held default stream
+    dev.write(p, b"free", stream=free)      # blocking write: returns, free does not wait
+    dev.record_event(e_free, free)
+    dev.synchronize_event(e_free)
+    assert dev.query_event(e_blocking) is False
+    dev.release_hold(hold)
+    dev.synchronize_event(e_blocking)
+    assert dev.read(p, 4) == b"free"
+    assert dev.state()["streams"] == 2
+    dev.destroy_stream(free)
+    dev.destroy_stream(blocking)
+    assert dev.state()["streams"] == 0
+
+
 def test_synchronize_stream_waits_only_for_that_stream(dev):
     held = dev.create_stream()
     free = dev.create_stream()

@@ -35,6 +35,7 @@ cdef extern from "vmalloc/host_device.hpp" namespace "vmalloc" nogil:
         CHostDevice(const CHostDeviceOptions& options) except +vmalloc_raise_py_error
         CHostDeviceState state() except +vmalloc_raise_py_error
         uint64_t hold_stream(uintptr_t stream) except +vmalloc_raise_py_error
+        uintptr_t create_stream(cbool non_blocking) except +vmalloc_raise_py_error
         void release_hold(uint64_t hold) except +vmalloc_raise_py_error
 
     cdef size_t host_device_vma_limit "vmalloc::HostDevice::vma_limit"()
@@ -129,6 +130,14 @@ cdef class HostDevice(Device):
         cdef CDevice* d = self.get()
         with nogil:  # a pageable copy waits for the stream
             d.copy_to_host(<void*>dst, src, n, s)
+
+    def create_stream(self, non_blocking=False):
+        """Creates a stream and returns its handle. A blocking stream (the default, like
+        ``cuStreamCreate(CU_STREAM_DEFAULT)``) is ordered with the default stream 0: its work
+        waits for stream 0's earlier work, and stream 0's work waits for its earlier work. A
+        ``non_blocking`` stream (``CU_STREAM_NON_BLOCKING``, what :class:`CudaDevice` creates)
+        has no such implicit ordering: order it with events."""
+        return self.host().create_stream(bool(non_blocking))
 
     def hold_stream(self, stream=0):
         """Blocks ``stream`` until :meth:`release_hold` (a testing aid, like a kernel that

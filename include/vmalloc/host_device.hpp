@@ -83,7 +83,9 @@ class HostDevice : public Device {
   void* host_alloc(std::size_t size) override;
   void host_free(void* ptr) override;
 
-  stream_t create_stream() override;
+  stream_t create_stream() override;  // blocking: ordered with the default stream
+  // `non_blocking`: like CU_STREAM_NON_BLOCKING, no implicit ordering with stream 0.
+  stream_t create_stream(bool non_blocking);
   void destroy_stream(stream_t stream) override;
   event_t create_event() override;
   void destroy_event(event_t event) override;

@@ -196,3 +196,28 @@ VMALLOC_EMULATOR_EXPORT CUresult vmallocEmulatorGetDeviceState(int ordinal,
 VMALLOC_EMULATOR_EXPORT void vmallocEmulatorSetVerbose(int verbose) {
   control("vmallocEmulatorSetVerbose", [&](Emulator& e) { e.set_verbose(verbose != 0); });
 }
+
+// Blocks `stream` (NULL: the calling thread's current context's default stream) like a kernel
+// that runs until told to stop, until vmallocEmulatorReleaseHold(*ordinal, *hold). Work queued
+// behind it, and on streams that must wait for it, then provably has not run: a test can show
+// that code orders its streams with events (a non-blocking stream does not wait for stream 0).
+VMALLOC_EMULATOR_EXPORT CUresult vmallocEmulatorHoldStream(CUstream stream, int* ordinal,
+                                                           unsigned long long* hold) {
+  return control("vmallocEmulatorHoldStream", [&](Emulator& e) {
+    if (ordinal == nullptr || hold == nullptr)
+      vmalloc::emulator::fail(CUDA_ERROR_INVALID_VALUE, "ordinal or hold is NULL");
+    std::lock_guard<std::recursive_mutex> lock(e.mutex());
+    const auto [gpu, host] = e.resolve_stream(stream);
+    *hold = gpu->device->hold_stream(host);
+    *ordinal = gpu->ordinal;
+  });
+}
+
+// Lets the stream held by vmallocEmulatorHoldStream go on. CUDA_ERROR_INVALID_HANDLE for an
+// unknown or already released hold.
+VMALLOC_EMULATOR_EXPORT CUresult vmallocEmulatorReleaseHold(int ordinal, unsigned long long hold) {
+  return control("vmallocEmulatorReleaseHold", [&](Emulator& e) {
+    std::lock_guard<std::recursive_mutex> lock(e.mutex());
+    e.gpu(ordinal).device->release_hold(hold);
+  });
+}

@@ -509,7 +509,7 @@ VMALLOC_EMULATOR_EXPORT CUresult cuStreamCreate(CUstream* stream, unsigned int f
                                          ": only CU_STREAM_DEFAULT (0) or NON_BLOCKING (1)");
     Lock lock(e.mutex());
     Gpu& gpu = e.current_gpu();
-    const stream_t host = gpu.device->create_stream();
+    const stream_t host = gpu.device->create_stream((flags & CU_STREAM_NON_BLOCKING) != 0);
     const std::uintptr_t handle = record_or_give_back(
         [&] {
           const std::uintptr_t h = e.next_stream_handle();

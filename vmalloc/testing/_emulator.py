@@ -55,6 +55,9 @@ def _setup(lib):
         "vmallocEmulatorGetDeviceState": (
             c.c_int, [c.c_int, c.POINTER(VmallocEmulatorDeviceState)]),
         "vmallocEmulatorSetVerbose": (None, [c.c_int]),
+        "vmallocEmulatorHoldStream": (
+            c.c_int, [c.c_void_p, c.POINTER(c.c_int), c.POINTER(c.c_ulonglong)]),
+        "vmallocEmulatorReleaseHold": (c.c_int, [c.c_int, c.c_ulonglong]),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(lib, name)
@@ -124,6 +127,27 @@ class DriverEmulator:
             yield self
         finally:
             self.clear_faults()
+
+    # --- stream holds ---
+
+    def hold_stream(self, stream=0):
+        """Blocks ``stream`` (a ``CUstream`` handle as an int; 0 is the calling thread's
+        current context's default stream) like a kernel that runs until told to stop, and
+        returns a token for :meth:`release_hold`. Until then, work queued behind it, and on
+        streams that must wait for it, provably has not run: a test can show that code orders
+        its streams with events (a ``CU_STREAM_NON_BLOCKING`` stream does not wait for the
+        default stream, on a GPU and here)."""
+        ordinal, hold = ctypes.c_int(), ctypes.c_ulonglong()
+        self._check(self.lib.vmallocEmulatorHoldStream(stream or None, ctypes.byref(ordinal),
+                                                       ctypes.byref(hold)),
+                    "vmallocEmulatorHoldStream")
+        return (ordinal.value, hold.value)
+
+    def release_hold(self, token):
+        """Lets the stream held by :meth:`hold_stream` go on (``token`` is what it returned)."""
+        ordinal, hold = token
+        self._check(self.lib.vmallocEmulatorReleaseHold(ordinal, hold),
+                    "vmallocEmulatorReleaseHold")
 
     def call_count(self, entry_point):
         """Calls of ``entry_point`` since load or :meth:`reset` (failed ones included)."""

@@ -1,6 +1,7 @@
 // The streams and events of one emulated device, with the CUDA legacy default stream's
-// ordering: work on stream 0 waits for all work queued before it on every other stream, and
-// work on another stream waits for the default stream's work queued before it.
+// ordering: work on stream 0 waits for all work queued before it on every other blocking
+// stream, and work on a blocking stream waits for the default stream's work queued before it.
+// Non-blocking streams (CU_STREAM_NON_BLOCKING, what CudaDevice creates) order with neither.
 //
 // Handles of streams and events come from one counter, so passing one kind for the other is
 // caught (DeviceError code invalid_handle). A queued item that faults records the fault here;
@@ -15,6 +16,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "vmalloc/detail/stream_worker.hpp"
@@ -32,7 +34,8 @@ class StreamSet {
 
   // Every method below that takes an `entry` point name throws DeviceError(entry,
   // invalid_handle) for an unknown stream or event handle, and then changes nothing.
-  stream_t create_stream();
+  // `non_blocking`: no implicit ordering with the default stream (CU_STREAM_NON_BLOCKING).
+  stream_t create_stream(bool non_blocking = false);
   void destroy_stream(stream_t stream, const char* entry);  // does not wait
   event_t create_event();
   void destroy_event(event_t event, const char* entry);
@@ -86,6 +89,7 @@ class StreamSet {
   const std::string device_name_;
   mutable std::mutex mutex_;  // the maps and the fault; never held while waiting for work
   std::unordered_map<stream_t, std::shared_ptr<StreamWorker>> streams_;
+  std::unordered_set<stream_t> non_blocking_;  // streams created CU_STREAM_NON_BLOCKING
   std::unordered_map<event_t, Event> events_;
   std::vector<std::shared_ptr<StreamWorker>> retired_;  // destroyed with work still queued
   std::unordered_map<std::uint64_t, std::shared_ptr<Gate>> holds_;
