@@ -8,6 +8,7 @@ Policy details (chunks, segments, rounding) belong to each allocator's own suite
 """
 
 import bisect
+import ctypes
 import random
 import threading
 
@@ -312,3 +313,62 @@ def test_threads_do_not_corrupt(make_device, make_allocator):
     assert s.total_allocations == s.total_deallocations
     a.release_cached()
     assert a.stats().reserved_bytes == 0
+
+
+# --- stream order on non-blocking streams ---------------------------------------------------
+
+
+def stream_holder(dev):
+    """(hold(stream) -> token, release(token)) for either device kind: a hold blocks a stream
+    like a kernel that runs until told to stop (HostDevice.hold_stream, or the driver
+    emulator's for a CudaDevice)."""
+    if hasattr(dev, "hold_stream"):
+        return dev.hold_stream, dev.release_hold
+    from vmalloc import testing
+
+    emu = testing.emulator()
+    return emu.hold_stream, emu.release_hold
+
+
+def non_blocking_stream(dev):
+    # CudaDevice's streams are CU_STREAM_NON_BLOCKING; HostDevice makes the same on request.
+    if isinstance(dev, vmalloc.HostDevice):
+        return dev.create_stream(non_blocking=True)
+    return dev.create_stream()
+
+
+@pytest.mark.parametrize("n", [3000, 3 * MiB], ids=["small", "chunks"])
+def test_memory_freed_on_a_busy_stream_is_safe_on_another_stream(make_device, make_allocator, n):
+    # The last use of x is a copy still queued on stream a (held) when x is freed there. Stream
+    # b then gets memory and overwrites it. Whatever the policy (reuse x with b waiting for a's
+    # event, or hand out other memory), a's copy must read x's bytes, not b's: on non-blocking
+    # streams nothing but the allocator's events orders a and b.
+    dev = make_device(capacity=CAPACITY)
+    a_ = make_allocator(dev)
+    a, b = non_blocking_stream(dev), non_blocking_stream(dev)
+    hold, release = stream_holder(dev)
+    out, src = dev.host_alloc(16), dev.host_alloc(16)
+    try:
+        ctypes.memmove(src, b"P2" * 8, 16)
+        x = a_.allocate(n, a)
+        dev.write(x, b"P1" * 8, a)
+        token = hold(a)
+        try:
+            dev.copy_to_host(out, x, 16, a)  # queued behind the hold
+            a_.deallocate(x, n, a)
+            y = a_.allocate(n, b)
+            dev.copy_to_device(y, src, 16, b)  # would clobber x early if y == x and unordered
+        finally:
+            release(token)
+        dev.synchronize()
+        assert ctypes.string_at(out, 16) == b"P1" * 8
+        assert dev.read(y, 16) == b"P2" * 8
+        a_.deallocate(y, n, b)
+        a_.release_cached()
+        assert a_.stats().live_allocations == 0
+    finally:
+        dev.synchronize()
+        dev.host_free(out)
+        dev.host_free(src)
+        dev.destroy_stream(a)
+        dev.destroy_stream(b)
