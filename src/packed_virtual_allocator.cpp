@@ -21,10 +21,11 @@ using detail::saturating_add;
 namespace {
 
 constexpr std::size_t default_reservation_size = std::size_t{1} << 30;
+// Stealing first may hold up to 1/16 more chunks than the peak of slots live blocks touched,
+// for slots that were stolen and needed again (see back_slots).
+constexpr std::size_t regret_slack_divisor = 16;
 // PyTorch's small-pool limit: below it tensors are many, small and often long-lived.
 constexpr std::size_t default_small_threshold = std::size_t{1} << 20;
-// Holes up to 32 MiB get exact-size buckets (512 KiB of list heads per index).
-constexpr std::size_t exact_hole_units = (std::size_t{32} << 20) / packed_block_bytes;
 
 const std::shared_ptr<Device>& require_device(const std::shared_ptr<Device>& device) {
   if (!device) throw InvalidArgument("PackedVirtualAllocator: device is null");
@@ -64,8 +65,7 @@ PackedVirtualAllocator::PackedVirtualAllocator(std::shared_ptr<Device> device,
       reservation_size_(resolve_reservation_size(chunk_size_, options.reservation_size)),
       steal_before_create_(options.steal_before_create),
       pool_(device_, chunk_size_, options.budget),
-      order_(device_),
-      holes_{detail::HoleIndex(exact_hole_units), detail::HoleIndex(exact_hole_units)} {}
+      order_(device_) {}
 
 std::shared_ptr<PackedVirtualAllocator> PackedVirtualAllocator::create(
     std::shared_ptr<Device> device, const PackedVirtualAllocatorOptions& options) {
@@ -100,9 +100,7 @@ device_ptr PackedVirtualAllocator::allocate(std::size_t nbytes, stream_t stream)
     blocks_.release(spare);
   };
 
-  Block* h = holes_[kind].best_fit(size / packed_block_bytes, stream, [&](const Block* b) {
-    return unmapped_in(b->reservation, slot_of(b->offset), slot_of(b->offset + size - 1));
-  });
+  Block* h = holes_[kind].first_fit(size);
   try {
     if (h == nullptr) {
       // A fresh reservation needs ceil(size / mc) chunks: decide before reserving anything.
@@ -153,7 +151,6 @@ device_ptr PackedVirtualAllocator::allocate(std::size_t nbytes, stream_t stream)
 
   // Commit: nothing below throws.
   Reservation* res = h->reservation;
-  holes_[kind].remove(h);
   if (h->size > size) {
     Block* rest = spare;
     spare = nullptr;
@@ -169,7 +166,9 @@ device_ptr PackedVirtualAllocator::allocate(std::size_t nbytes, stream_t stream)
     h->next = rest;
     h->size = size;
     // Its right neighbour is live or a hole it could not merge with before: no merge now.
-    holes_[kind].insert(rest);
+    holes_[kind].replace(h, rest);
+  } else {
+    holes_[kind].remove(h);
   }
   order_.drop(h->work);
   h->free = false;
@@ -180,6 +179,7 @@ device_ptr PackedVirtualAllocator::allocate(std::size_t nbytes, stream_t stream)
       ++live_slots_;
     }
   }
+  peak_live_slots_ = std::max(peak_live_slots_, live_slots_);
   ++res->live_blocks;
   const device_ptr p = res->address_of(h);
   live_.insert(p, reinterpret_cast<std::uintptr_t>(h));
@@ -196,6 +196,7 @@ PackedVirtualAllocator::Block* PackedVirtualAllocator::new_reservation(std::size
   res->kind = kind;
   res->handles.assign(slots, 0);
   res->live.assign(slots, 0);
+  res->robbed.assign(slots, 0);
   Block* b = blocks_.acquire();
   try {
     res->base = device_->reserve(slots * chunk_size_, device_->granularity());
@@ -268,8 +269,19 @@ void PackedVirtualAllocator::back_slots(Reservation* res, std::size_t first, std
   try {
     for (physical_handle h; chunks.size() < need && (h = pool_.take_cached()) != 0;)
       chunks.push_back(h);
-    if (steal_before_create_ && chunks.size() < need)
-      steal(need - chunks.size(), res, first, last, chunks, /*wait=*/false);
+    if (steal_before_create_ && chunks.size() < need) {
+      // A slot stolen before and needed again: stealing for it once more would only move the
+      // remap elsewhere (a periodic loop would remap every step), so it gets a new chunk,
+      // while the chunks held stay within 1/16 above the peak of slots live blocks touched.
+      std::size_t regrets = 0;
+      for (std::size_t s = first; s <= last; ++s) regrets += res->robbed[s];
+      const std::size_t held = pool_.chunks_held();
+      const std::size_t cap = peak_live_slots_ + peak_live_slots_ / regret_slack_divisor;
+      const std::size_t create = std::min({regrets, need - chunks.size(),
+                                           pool_.creatable_chunks(), cap > held ? cap - held : 0});
+      if (chunks.size() + create < need)
+        steal(need - chunks.size() - create, res, first, last, chunks, /*wait=*/false);
+    }
     created_from = chunks.size();
     for (std::size_t want = std::min(need - chunks.size(), pool_.creatable_chunks()); want > 0;
          --want) {
@@ -311,6 +323,7 @@ void PackedVirtualAllocator::back_slots(Reservation* res, std::size_t first, std
     undo();
     throw;
   }
+  for (std::size_t s : newly) res->robbed[s] = 0;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -337,6 +350,8 @@ void PackedVirtualAllocator::steal(std::size_t need, const Reservation* keep,
         --lo;
       if (wait) synchronize_holes(r, lo, s);  // may throw: nothing unmapped for this run
       unmap_slots(r, lo, s, out);   // may throw: same
+      std::fill(r->robbed.begin() + static_cast<std::ptrdiff_t>(lo),
+                r->robbed.begin() + static_cast<std::ptrdiff_t>(s) + 1, std::uint8_t{1});
       need -= s - lo + 1;
       stolen_ += s - lo + 1;
       s = lo;
@@ -436,27 +451,36 @@ void PackedVirtualAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stre
 void PackedVirtualAllocator::insert_hole(Block* b) noexcept {
   Reservation* res = b->reservation;
   detail::HoleIndex& index = holes_[res->kind];
+  Block* anchor = nullptr;  // a merged neighbour whose place in the index b takes
   Block* left = b->prev;
   if (left != nullptr && left->free && StreamOrder::can_merge(left->work, b->work)) {
-    index.remove(left);
     order_.merge_into(b->work, left->work);
     b->offset = left->offset;
     b->size += left->size;
     b->prev = left->prev;
     if (left->prev != nullptr) left->prev->next = b;
     else res->first = b;
-    blocks_.release(left);
+    anchor = left;
   }
   Block* right = b->next;
   if (right != nullptr && right->free && StreamOrder::can_merge(b->work, right->work)) {
-    index.remove(right);
     order_.merge_into(b->work, right->work);
     b->size += right->size;
     b->next = right->next;
     if (right->next != nullptr) right->next->prev = b;
-    blocks_.release(right);
+    if (anchor == nullptr) {
+      anchor = right;
+    } else {
+      index.remove(right);
+      blocks_.release(right);
+    }
   }
-  index.insert(b);
+  if (anchor != nullptr) {
+    index.replace(anchor, b);  // no hole lies between b and a neighbour it merged
+    blocks_.release(anchor);
+  } else {
+    index.insert(b);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

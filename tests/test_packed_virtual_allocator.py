@@ -68,7 +68,7 @@ def test_placement_option_and_defaults():
     assert va.stats().reserved_bytes == 0 and dev.counters()["reserve"] == 0
     chunks = vmalloc.VirtualAllocator(dev)
     assert (chunks.placement, chunks.reservation_size, chunks.steal_before_create) == (
-        "chunks", None, None)
+        "chunks", None, False)  # chunk placement creates first by default
     with pytest.raises(vmalloc.InvalidArgumentError, match="placement"):
         vmalloc.VirtualAllocator(dev, placement="dense")
     with pytest.raises(vmalloc.InvalidArgumentError, match="packed"):
@@ -126,40 +126,38 @@ def test_small_requests_are_packed_apart_from_large_ones():
     assert together.allocate(3 * MiB) == s2 + 4 * KiB
 
 
-def test_freed_holes_merge_and_are_reused_best_fit_without_driver_calls():
+def test_freed_holes_merge_and_are_reused_first_fit_without_driver_calls():
     dev = vmalloc.HostDevice()
     va = packed(dev, small_threshold=0)
     a, b, c, d = (va.allocate(n) for n in (3 * MiB, 1 * MiB, 5 * MiB, 1 * MiB))
     va.deallocate(a)
     va.deallocate(c)
     before = dev.counters()
-    # Best fit: a 1 MiB request takes the 3 MiB hole (smaller than c's 5 MiB), at its start.
+    # First fit: a 1 MiB request takes the lowest hole that fits (a's), at its start.
     assert va.allocate(MiB) == a
-    assert va.allocate(5 * MiB) == c  # the exact 5 MiB hole
+    assert va.allocate(5 * MiB) == c  # a's 2 MiB rest is too small: c's hole
     va.deallocate(b)
     assert va.allocate(3 * MiB) == a + MiB  # 2 MiB left of a's hole merged with b's 1 MiB
     assert delta(before, dev.counters()) == {}
 
 
-def test_a_slightly_larger_hole_on_mapped_slots_beats_an_exact_fit_needing_mappings():
-    """Best fit would map two chunks under x1's old 4 MiB hole (unmapped by release_cached)
-    and steal one from elsewhere; the hole one 512-byte block larger lies wholly on mapped
-    slots, so it is taken without a driver call."""
+def test_the_lowest_address_fitting_hole_wins_over_a_better_fit():
+    """First fit keeps a repeated pattern on the same, low, compact slots: an exact fit
+    higher up is not preferred to a larger hole lower down."""
     dev = vmalloc.HostDevice(backed=False)
     va = packed(dev, small_threshold=0)
-    x1 = va.allocate(4 * MiB)                  # slots 0-1
-    va.allocate(512)                           # slot 2: keeps the holes apart
-    x2 = va.allocate(4 * MiB + 512)            # slots 2-4
-    va.allocate(512)                           # slot 4
-    va.deallocate(x1)
-    va.release_cached()                        # slots 0-1 unmapped; 2-4 stay (live)
-    va.deallocate(x2)                          # its 4 MiB + 512 hole: slots 2-4, all mapped
+    a = va.allocate(5 * MiB)
+    va.allocate(512)                # keeps the holes apart
+    b = va.allocate(3 * MiB)
+    va.allocate(512)
+    va.deallocate(a)
+    va.deallocate(b)
     before = dev.counters()
-    assert va.allocate(4 * MiB) == x2
+    assert va.allocate(3 * MiB) == a            # not b's exact 3 MiB hole
+    assert va.allocate(2 * MiB) == a + 3 * MiB  # the rest of a's hole, exactly
+    assert va.allocate(3 * MiB) == b
     assert delta(before, dev.counters()) == {}
-    # With no larger hole on mapped slots, best fit stands: x1's hole, mapping its 2 slots.
-    assert va.allocate(4 * MiB) == x1
-    assert delta(before, dev.counters()) == {"create": 2, "map": 2, "set_access": 1}
+    assert va.packed_stats()["free_holes"] == 1  # the reservation's tail
 
 
 def test_steady_training_step_makes_no_driver_calls_after_warm_up():
@@ -193,7 +191,9 @@ def test_steady_training_step_makes_no_driver_calls_after_warm_up():
 
 def test_any_repeated_pattern_is_call_free_without_steal_before_create():
     """steal_before_create=False keeps every slot a pattern touched mapped; the default
-    steals free slots and so remaps when the live set moves across chunks."""
+    steals free slots, and holds at most 1/16 more chunks than the peak of touched slots for
+    stolen slots needed again, so it may still remap when the live set moves across more
+    chunks than that."""
     rng = random.Random(7)
     ops, live = [], []
     for i in range(400):  # an irregular pattern that frees everything at its end
@@ -205,6 +205,8 @@ def test_any_repeated_pattern_is_call_free_without_steal_before_create():
             live.append(i)
     ops += [("free", i) for i in live]
 
+    peak = [0]
+
     def run(va):
         ptrs = {}
         for op in ops:
@@ -212,6 +214,7 @@ def test_any_repeated_pattern_is_call_free_without_steal_before_create():
                 ptrs[op[1]] = (va.allocate(op[2]), op[2])
             else:
                 va.deallocate(*ptrs.pop(op[1]))
+            peak[0] = max(peak[0], va.packed_stats()["chunks_live"])
 
     calls = {}
     for steal in (False, True):
@@ -225,8 +228,36 @@ def test_any_repeated_pattern_is_call_free_without_steal_before_create():
             "memory_management_calls"]
         if not steal:
             assert va.packed_stats()["chunks_stolen"] == 0
+        else:
+            assert peak[0] <= va.packed_stats()["chunks_held"] <= peak[0] + peak[0] // 16
     assert calls[False] == 0
-    assert calls[True] > 0  # the price of holding only the peak of what live blocks touch
+    assert calls[True] > 0  # the price of holding little more than the peak live blocks touch
+
+
+def test_stolen_slots_needed_again_get_new_chunks_so_a_training_loop_settles():
+    """vmalloc.bench's training-like step (48 layers): its live blocks touch 177 slots at
+    most but 188 over a step. Stealing first used to move 11 chunks back and forth every
+    step (46 driver calls); now a slot stolen and needed again gets a new chunk (within 1/16
+    above the peak), so from the third step on, the default makes no driver call."""
+    from vmalloc.bench import training_layers, training_step
+
+    dev = vmalloc.HostDevice(backed=False)
+    va = packed(dev)
+    assert va.steal_before_create
+    sizes = training_layers(48)
+    params = [va.allocate(n) for n in sizes]
+    calls = []
+    for _ in range(5):
+        before = dev.counters()["memory_management_calls"]
+        training_step(va, sizes)
+        calls.append(dev.counters()["memory_management_calls"] - before)
+    p = va.packed_stats()
+    assert calls == [242, 27, 0, 0, 0]
+    # 188 chunks held: the slots a step touches, within the bound 177 + 177 // 16 = 188; the
+    # parameters alone touch 78.
+    assert (p["chunks_held"], p["chunks_stolen"], p["chunks_live"]) == (188, 12, 78)
+    for ptr, n in zip(params, sizes):
+        va.deallocate(ptr, n)
 
 
 def test_stealing_before_creating_keeps_reserved_at_the_touched_peak():
@@ -325,8 +356,8 @@ def test_no_out_of_memory_while_enough_free_chunks_exist(ops, steal, small, rese
     st.integers(0, 1 << 30)), min_size=1, max_size=80))
 def test_random_operations_keep_data_disjoint_and_reserved_at_the_touched_peak(ops):
     """On a backed device: live blocks never overlap and keep their bytes; with stealing
-    first and no capacity, chunks are created only at a new peak of touched slots, so the
-    chunks held equal the highest count of slots live blocks have touched at once."""
+    first and no capacity, chunks are created at a new peak of touched slots, or for a
+    stolen slot needed again while the chunks held stay within 1/16 above that peak."""
     dev = vmalloc.HostDevice()
     va = packed(dev)
     live, tags = {}, {}
@@ -349,7 +380,8 @@ def test_random_operations_keep_data_disjoint_and_reserved_at_the_touched_peak(o
             del tags[ptr]
         check_books(va, live)
         peak_touched = max(peak_touched, va.packed_stats()["chunks_live"])
-        assert va.packed_stats()["chunks_held"] == peak_touched
+        assert peak_touched <= va.packed_stats()["chunks_held"] <= (
+            peak_touched + peak_touched // 16)
     for ptr, n in live.items():
         k = len(tags[ptr])
         assert dev.read(ptr, k) == tags[ptr] and dev.read(ptr + n - k, k) == tags[ptr]

@@ -184,6 +184,7 @@ class PackedVirtualAllocator final : public Allocator {
   std::map<device_ptr, std::unique_ptr<Reservation>> reservations_;
   detail::FlatPtrMap live_;     // live blocks by address
   std::size_t live_slots_ = 0;  // mapped slots with live blocks
+  std::size_t peak_live_slots_ = 0;  // the most mapped slots with live blocks at once
   std::size_t free_mapped_ = 0; // mapped slots without
   std::size_t stolen_ = 0;
   std::size_t fresh_ = 0;

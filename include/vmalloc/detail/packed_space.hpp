@@ -32,9 +32,10 @@ struct PackedBlock {
   PackedBlock* next = nullptr;
   bool free = true;
   PendingWork work;            // free: what may still use the memory
-  PackedBlock* bucket_prev = nullptr;  // free: hole-index hooks
-  PackedBlock* bucket_next = nullptr;
-  std::size_t bucket = 0;
+  PackedBlock* hole_left = nullptr;   // free: hole-index (treap) hooks
+  PackedBlock* hole_right = nullptr;
+  std::uint64_t hole_priority = 0;
+  std::size_t subtree_max = 0;        // the largest hole size in its subtree
 
   std::size_t end() const noexcept { return offset + size; }
 };
@@ -45,6 +46,7 @@ struct PackedReservation {
   int kind = 0;                             // which hole index its holes live in
   std::vector<physical_handle> handles;     // per slot: the mapped chunk, or 0
   std::vector<std::uint32_t> live;          // per slot: live blocks overlapping it
+  std::vector<std::uint8_t> robbed;         // per slot: unmapped by stealing, not mapped since
   std::size_t mapped = 0;                   // slots with a chunk
   std::size_t live_blocks = 0;
   PackedBlock* first = nullptr;             // the lowest block; blocks tile the reservation
