@@ -45,6 +45,12 @@ bool SmallBlockArena::removable_without_sync(const ArenaChunk* chunk) const noex
   return true;
 }
 
+bool SmallBlockArena::poll_chunk(ArenaChunk* chunk) {
+  for (ArenaBlock* b = chunk->first; b != nullptr; b = b->next)
+    if (!order_.poll(b->work)) return false;
+  return true;
+}
+
 void SmallBlockArena::synchronize_chunk(ArenaChunk* chunk) {
   for (ArenaBlock* b = chunk->first; b != nullptr; b = b->next) order_.synchronize(b->work);
 }

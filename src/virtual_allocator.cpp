@@ -49,6 +49,7 @@ VirtualAllocator::VirtualAllocator(std::shared_ptr<Device> device,
       chunk_size_(detail::resolve_chunk_size(*device_, options.chunk_size, "VirtualAllocator")),
       chunk_shift_((chunk_size_ & (chunk_size_ - 1)) == 0 ? __builtin_ctzll(chunk_size_) : -1),
       small_threshold_(resolve_small_threshold(chunk_size_, options.small_threshold)),
+      steal_before_create_(options.steal_before_create),
       pool_(device_, chunk_size_, options.budget),
       order_(device_),
       arena_(chunk_size_, order_) {}
@@ -225,6 +226,7 @@ VirtualAllocator::Range* VirtualAllocator::map_new_range(std::size_t k, std::siz
     res->base = base;
     for (physical_handle h; chunks.size() < k && (h = pool_.take_cached()) != 0;)
       chunks.push_back(h);
+    if (steal_before_create_ && chunks.size() < k) steal(k - chunks.size(), chunks, false);
     first_created = chunks.size();
     for (std::size_t want = std::min(k - chunks.size(), creatable); want > 0; --want) {
       physical_handle h;
@@ -236,7 +238,7 @@ VirtualAllocator::Range* VirtualAllocator::map_new_range(std::size_t k, std::siz
       chunks.push_back(h);
       ++created;
     }
-    if (chunks.size() < k) steal(k - chunks.size(), chunks);
+    if (chunks.size() < k) steal(k - chunks.size(), chunks, true);
     if (chunks.size() < k)
       throw OutOfMemory("VirtualAllocator: out of memory allocating " + std::to_string(nbytes) +
                             " bytes: the device refused chunks it reported free",
@@ -271,7 +273,7 @@ VirtualAllocator::Range* VirtualAllocator::map_new_range(std::size_t k, std::siz
 // ---------------------------------------------------------------------------------------------
 // stealing and unmapping
 
-void VirtualAllocator::steal(std::size_t need, std::vector<physical_handle>& out) {
+void VirtualAllocator::steal(std::size_t need, std::vector<physical_handle>& out, bool wait) {
   struct Candidate {
     Range* range;       // a cached range, or
     ArenaChunk* chunk;  // an arena chunk without live blocks
@@ -280,11 +282,16 @@ void VirtualAllocator::steal(std::size_t need, std::vector<physical_handle>& out
   };
   std::vector<Candidate> candidates;
   candidates.reserve(cached_.count() + arena_.empty_chunks());
+  // Without waiting, a free's work is polled (its event recorded first if it has none), so
+  // that single-stream frees can be taken too; with waiting, only queried.
   cached_.for_each([&](Range* r) {
-    candidates.push_back({r, nullptr, r->count, order_.completed(r->work)});
+    const bool ready = wait ? order_.completed(r->work) : order_.poll(r->work);
+    if (ready || wait) candidates.push_back({r, nullptr, r->count, ready});
   });
   arena_.for_each_empty_chunk([&](ArenaChunk* c) {
-    candidates.push_back({nullptr, c, 1, false});
+    // Stealing first leaves the spare alone: the next small request would take a chunk back.
+    const bool ready = !wait && c != spare_ && arena_.poll_chunk(c);
+    if (ready || wait) candidates.push_back({nullptr, c, 1, ready});
   });
   // Work already done first (no host blocking), then the largest (fewest cuMemUnmap calls).
   std::stable_sort(candidates.begin(), candidates.end(),

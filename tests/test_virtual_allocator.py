@@ -767,3 +767,184 @@ def test_multi_stream_random_operations():
         MultiStreamMachine,
         settings=settings(max_examples=int(__import__("os").environ.get("VA_EXAMPLES", 25)), stateful_step_count=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow]))
+
+
+# --- the small-block arena's best fit, against a model ----------------------------------------
+
+def _gaps(base, size, blocks):
+    """Free gaps (start, length) of an arena chunk at `base` of `size` bytes with live
+    `blocks` ({start: length}): single-stream frees always merge, so free memory is maximal."""
+    gaps, at = [], base
+    for start in sorted(blocks):
+        if start > at:
+            gaps.append((at, start - at))
+        at = start + blocks[start]
+    if at < base + size:
+        gaps.append((at, base + size - at))
+    return gaps
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mc=st.sampled_from([2 * MiB, 32 * MiB]), data=st.data())
+def test_small_blocks_take_the_best_fitting_gap(mc, data):
+    """Every small request takes the front of the smallest free gap that fits it, across all
+    arena chunks (ties: any), or a new arena chunk if none fits; frees merge; one empty chunk
+    stays as the spare, further empty ones leave the arena. 2 MiB and 32 MiB chunks put the
+    size buckets' bitmap at two and three levels."""
+    dev = vmalloc.HostDevice(backed=False)
+    va = vmalloc.VirtualAllocator(dev, chunk_size=mc)
+    small = st.one_of(st.integers(1, 8 * KiB), st.integers(1, 256 * KiB),
+                      st.integers(1, va.small_threshold))
+    arena = {}    # chunk base -> {block start: rounded length}
+    owner = {}    # live pointer -> (chunk base, requested)
+    spare = None
+    for _ in range(data.draw(st.integers(1, 120), label="steps")):
+        if owner and data.draw(st.booleans(), label="free"):
+            p = data.draw(st.sampled_from(sorted(owner)), label="ptr")
+            base, n = owner.pop(p)
+            va.deallocate(p, n)
+            del arena[base][p]
+            if not arena[base]:
+                if spare is None:
+                    spare = base
+                else:
+                    del arena[base]  # rejoins the range cache
+        else:
+            n = data.draw(small, label="n")
+            r = -(-n // 512) * 512
+            fits = [g for base in arena for g in _gaps(base, mc, arena[base]) if g[1] >= r]
+            held = va.chunk_stats()["chunks_in_arenas"]
+            p = va.allocate(n)
+            if fits:
+                best = min(length for _, length in fits)
+                assert p in {start for start, length in fits if length == best}
+                base = next(b for b in arena if b <= p < b + mc)
+                assert va.chunk_stats()["chunks_in_arenas"] == held
+            else:
+                assert va.chunk_stats()["chunks_in_arenas"] == held + 1
+                base = p  # a new arena chunk: its first block is at its base
+                assert base not in arena
+                arena[base] = {}
+            if base == spare:
+                spare = None
+            arena[base][p] = r
+            owner[p] = (base, n)
+        c = va.chunk_stats()
+        assert c["chunks_in_arenas"] == len(arena)
+        assert c["live_blocks"] == len(owner)
+        assert c["free_blocks"] == sum(len(_gaps(b, mc, arena[b])) for b in arena)
+        assert c["arena_free_bytes"] == len(arena) * mc - sum(
+            sum(blocks.values()) for blocks in arena.values())
+    check_identities(va, {p: n for p, (_, n) in owner.items()})
+
+
+# --- chunk placement: steal before create -----------------------------------------------------
+
+def test_steal_before_create_option():
+    dev = vmalloc.HostDevice(backed=False)
+    assert vmalloc.VirtualAllocator(dev).steal_before_create is False  # the default
+    assert vmalloc.VirtualAllocator(dev, steal_before_create=True).steal_before_create is True
+    assert vmalloc.VirtualAllocator(dev, steal_before_create=False).steal_before_create is False
+    with pytest.raises(TypeError, match="steal_before_create"):
+        vmalloc.VirtualAllocator(dev, steal_before_create="yes")
+    with pytest.raises(vmalloc.InvalidArgumentError, match="packed"):
+        vmalloc.VirtualAllocator(dev, reservation_size="64MiB")
+
+
+@pytest.mark.parametrize("steal, calls, held, stolen", [
+    # Create first: the cached 3-chunk range stays for the next iteration; 4 new chunks.
+    (False, {"create": 4, "reserve": 1, "map": 4, "set_access": 1}, 7, 0),
+    # Steal first: the cached range is unmapped (one call, its reservation freed) and its 3
+    # chunks remapped with 1 new one.
+    (True, {"create": 1, "reserve": 1, "free_address": 1, "map": 4, "unmap": 1,
+            "set_access": 1}, 4, 3),
+])
+def test_steal_before_create_reuses_cached_chunks_before_creating(steal, calls, held, stolen):
+    dev = vmalloc.HostDevice(backed=False)  # unlimited: no pressure ever forces stealing
+    va = vmalloc.VirtualAllocator(dev, steal_before_create=steal)
+    va.deallocate(va.allocate(3 * MC))
+    before = dev.counters()
+    p = va.allocate(4 * MC)  # misses: no cached range of 4 chunks
+    assert delta(before, dev.counters()) == calls
+    c = va.chunk_stats()
+    assert (c["chunks_held"], c["chunks_stolen"], c["reservations"]) == (
+        held, stolen, 2 if not steal else 1)
+    assert dev.counters()["event_record"] - before["event_record"] == (1 if steal else 0)
+    check_identities(va, {p: 4 * MC})
+
+
+def test_steal_first_trades_driver_calls_for_memory():
+    """A step whose shapes shift (a 3-chunk request after two 2-chunk ones, one freed):
+    create first holds 7 chunks and makes no call after the first step; steal first holds 5
+    and remaps 3 chunks every step."""
+    def steps(steal):
+        dev = vmalloc.HostDevice(backed=False)
+        va = vmalloc.VirtualAllocator(dev, steal_before_create=steal)
+        rows = []
+        for _ in range(4):
+            before = dev.counters()
+            a, b = va.allocate(2 * MC), va.allocate(2 * MC)
+            va.deallocate(a)
+            c = va.allocate(3 * MC)
+            va.deallocate(b)
+            va.deallocate(c)
+            rows.append(delta(before, dev.counters()))
+        check_identities(va, {})
+        return rows, va.chunk_stats()["peak_chunks_held"]
+
+    assert steps(False) == ([{"create": 7, "reserve": 3, "map": 7, "set_access": 3}, {}, {}, {}],
+                            7)
+    again = {"reserve": 1, "free_address": 1, "map": 3, "unmap": 2, "set_access": 1}
+    assert steps(True) == ([{"create": 5, "reserve": 3, "free_address": 1, "map": 7,
+                             "unmap": 1, "set_access": 3}, again, again, again], 5)
+
+
+def test_training_pattern_is_call_free_after_warm_up_by_default():
+    """The bench's training-like pattern: with the default (create first) no memory-management
+    call after the first step; stealing first holds fewer chunks but remaps every step."""
+    from vmalloc import bench
+
+    def run(**options):
+        dev = bench.make_device()
+        va = vmalloc.VirtualAllocator(dev, **options)
+        sizes = bench.training_layers(48)
+        params = [va.allocate(n) for n in sizes]
+        calls = []
+        for _ in range(4):
+            before = dev.counters()
+            bench.training_step(va, sizes)
+            calls.append(dev.counters()["memory_management_calls"]
+                         - before["memory_management_calls"])
+        for p, n in zip(params, sizes):
+            va.deallocate(p, n)
+        return calls, va.chunk_stats()["peak_chunks_held"]
+
+    default_calls, default_held = run()
+    assert default_calls[1:] == [0, 0, 0]
+    assert run(steal_before_create=False) == (default_calls, default_held)
+    steal_calls, steal_held = run(steal_before_create=True)
+    assert steal_held < default_held
+    assert all(n > 0 for n in steal_calls[1:])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.tuples(st.booleans(), SIZES, st.integers(0, 1 << 16)), min_size=1,
+                    max_size=60))
+def test_steal_first_holds_exactly_the_peak_of_what_is_in_use(ops):
+    """With stealing first (one stream, no capacity limit) a miss creates chunks only when no
+    free chunk is left but the arena's spare, so the chunks held peak at exactly the peak of
+    chunks in live ranges and arenas."""
+    dev = vmalloc.HostDevice(backed=False)
+    va = vmalloc.VirtualAllocator(dev, steal_before_create=True)
+    live = {}
+    peak_in_use = 0
+    for free, n, pick in ops:
+        if free and live:
+            p = sorted(live)[pick % len(live)]
+            va.deallocate(p, live.pop(p))
+        else:
+            live[va.allocate(n)] = n
+        c = va.chunk_stats()
+        peak_in_use = max(peak_in_use, c["chunks_live"] + c["chunks_in_arenas"])
+        assert c["peak_chunks_held"] == peak_in_use
+    check_identities(va, live)

@@ -16,6 +16,7 @@ cdef extern from "vmalloc/virtual_allocator.hpp" namespace "vmalloc" nogil:
         size_t chunk_size
         size_t budget
         size_t small_threshold
+        bool steal_before_create
 
     cdef size_t default_small_threshold "vmalloc::VirtualAllocatorOptions::default_small_threshold"
 
@@ -53,6 +54,7 @@ cdef extern from "vmalloc/virtual_allocator.hpp" namespace "vmalloc" nogil:
         size_t chunk_size()
         size_t small_threshold()
         size_t budget()
+        bool steal_before_create()
 
 
 cdef extern from "vmalloc/packed_virtual_allocator.hpp" namespace "vmalloc" nogil:
@@ -161,9 +163,12 @@ cdef class VirtualAllocator(Allocator):
             self._init_packed(device, chunk_size, budget, small_threshold, reservation_size,
                               True if steal_before_create is None else steal_before_create)
             return
-        if reservation_size is not None or steal_before_create is not None:
-            raise_invalid('reservation_size and steal_before_create apply to '
-                          'placement="packed" only')
+        if reservation_size is not None:
+            raise_invalid('reservation_size applies to placement="packed" only')
+        if steal_before_create is None:
+            steal_before_create = False
+        if steal_before_create is not True and steal_before_create is not False:
+            raise TypeError(f"steal_before_create must be a bool, got {steal_before_create!r}")
         self.placement = placement
         cdef VirtualAllocatorOptions options
         options.chunk_size = 0 if chunk_size is None else parse_size(chunk_size, "chunk_size")
@@ -174,6 +179,7 @@ cdef class VirtualAllocator(Allocator):
             raise_invalid("budget must be positive (None for no budget), got 0")
         options.small_threshold = (default_small_threshold if small_threshold is None
                                    else parse_size(small_threshold, "small_threshold"))
+        options.steal_before_create = steal_before_create
         self.c_virtual = CVirtualAllocator.create(device.c_device, options)
         self.c_allocator = static_pointer_cast[CAllocator, CVirtualAllocator](self.c_virtual)
         self.device = device
@@ -226,11 +232,10 @@ cdef class VirtualAllocator(Allocator):
 
     @property
     def steal_before_create(self):
-        """Packed placement: whether free mapped chunks are stolen before new ones are
-        created; None with chunks placement."""
+        """Whether free mapped chunks are stolen before new ones are created on a miss."""
         if self.c_packed:
             return self.c_packed.get().steal_before_create()
-        return None
+        return self.c_virtual.get().steal_before_create()
 
     @property
     def budget(self):

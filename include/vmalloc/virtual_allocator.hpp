@@ -47,6 +47,12 @@ struct VirtualAllocatorOptions {
   // chunk path wastes less than the request itself, below it a chunk would be mostly waste.
   static constexpr std::size_t default_small_threshold = static_cast<std::size_t>(-1);
   std::size_t small_threshold = default_small_threshold;
+  // On a miss, after the pool's cache: true steals chunks from cached ranges and empty arena
+  // chunks whose frees' work is done (polled, no host wait) before creating new chunks, so
+  // what is held stays near the peak of what is live; false (the default) creates first and
+  // steals only at the budget or the capacity, so that cached ranges survive for the next
+  // iteration and a repeated pattern makes no driver call after warm-up.
+  bool steal_before_create = false;
 };
 
 // Detail beyond Stats, in chunks (VirtualAllocator.chunk_stats() in Python).
@@ -99,6 +105,7 @@ class VirtualAllocator final : public Allocator {
   std::size_t chunk_size() const noexcept { return chunk_size_; }
   std::size_t small_threshold() const noexcept { return small_threshold_; }
   std::size_t budget() const noexcept { return pool_.budget(); }
+  bool steal_before_create() const noexcept { return steal_before_create_; }
 
  private:
   using Range = detail::ChunkRange;
@@ -115,8 +122,9 @@ class VirtualAllocator final : public Allocator {
   // A new reservation of k chunks, mapped and accessible. Throws OutOfMemory (accounting
   // unchanged), DeviceError.
   Range* map_new_range(std::size_t k, std::size_t nbytes, stream_t stream);
-  // Unmaps up to `need` chunks from cached ranges and empty arena chunks into `out`.
-  void steal(std::size_t need, std::vector<physical_handle>& out);
+  // Unmaps up to `need` chunks from cached ranges and empty arena chunks into `out`. With
+  // `wait` false, only those whose frees' work is done (polled: no host wait) are taken.
+  void steal(std::size_t need, std::vector<physical_handle>& out, bool wait);
   // Unmaps the last `take` chunks of a cached range whose work is done; handles into `out`.
   void unmap_tail(Range* range, std::size_t take, std::vector<physical_handle>& out);
   // Puts a free range into the cache, merging it with cached neighbours.
@@ -144,6 +152,7 @@ class VirtualAllocator final : public Allocator {
   const std::size_t chunk_size_;
   const int chunk_shift_;  // log2(chunk_size_) for a power of two, else -1: k without a divide
   const std::size_t small_threshold_;
+  const bool steal_before_create_;
   mutable std::mutex mutex_;
   PhysicalChunkPool pool_;
   detail::StreamOrder order_;

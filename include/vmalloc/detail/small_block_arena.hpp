@@ -82,6 +82,10 @@ class SmallBlockArena {
   // Makes every free block of a chunk without live blocks idle (blocks the host on pending
   // work), so that it can be removed. Throws DeviceError (blocks done so far stay idle).
   void synchronize_chunk(ArenaChunk* chunk);
+  // True if every free block of a chunk without live blocks has its work done (polled, no
+  // host wait; see StreamOrder::poll), so synchronize_chunk() will not block. May throw
+  // DeviceError (blocks polled so far stay as polled).
+  bool poll_chunk(ArenaChunk* chunk);
   // True if the chunk has no live block and remove_chunk() needs no synchronization.
   bool removable_without_sync(const ArenaChunk* chunk) const noexcept;
   // Removes a chunk without live blocks (removable_without_sync, or synchronized); returns
