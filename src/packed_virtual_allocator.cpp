@@ -363,16 +363,17 @@ void PackedVirtualAllocator::steal(std::size_t need, const Reservation* keep,
 
 void PackedVirtualAllocator::synchronize_holes(Reservation* res, std::size_t first,
                                                std::size_t last) {
-  const std::size_t lo = first * chunk_size_, hi = (last + 1) * chunk_size_;
-  for (Block* b = res->first; b != nullptr && b->offset < hi; b = b->next)
-    if (b->free && b->end() > lo) order_.synchronize(b->work);
+  holes_[res->kind].for_each_overlapping(
+      res->base + first * chunk_size_, res->base + (last + 1) * chunk_size_, [&](Block* b) {
+        order_.synchronize(b->work);
+        return true;
+      });
 }
 
 bool PackedVirtualAllocator::holes_done(Reservation* res, std::size_t first, std::size_t last) {
-  const std::size_t lo = first * chunk_size_, hi = (last + 1) * chunk_size_;
-  for (Block* b = res->first; b != nullptr && b->offset < hi; b = b->next)
-    if (b->free && b->end() > lo && !order_.poll(b->work)) return false;
-  return true;
+  return holes_[res->kind].for_each_overlapping(
+      res->base + first * chunk_size_, res->base + (last + 1) * chunk_size_,
+      [&](Block* b) { return order_.poll(b->work); });
 }
 
 void PackedVirtualAllocator::unmap_slots(Reservation* res, std::size_t first, std::size_t last,

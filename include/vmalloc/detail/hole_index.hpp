@@ -56,6 +56,13 @@ class HoleIndex {
     }
   }
 
+  // Calls f(hole) for the holes overlapping addresses [lo, hi), in address order, until f
+  // returns false; false if it did. O(log holes + visited).
+  template <typename F>
+  bool for_each_overlapping(device_ptr lo, device_ptr hi, F&& f) const {
+    return overlapping(root_, lo, hi, f);
+  }
+
   std::size_t count() const noexcept { return count_; }
 
   // Calls f(hole) for every hole, in address order (f must not modify the index).
@@ -139,6 +146,16 @@ class HoleIndex {
     else t->hole_right = replace(t->hole_right, old, b, k);
     update(t);
     return t;
+  }
+  // Holes do not overlap and are ordered: those left of a hole starting at or below `lo`
+  // end at or below it, those right of one starting at or above `hi` start above it.
+  template <typename F>
+  static bool overlapping(PackedBlock* t, device_ptr lo, device_ptr hi, F& f) {
+    if (t == nullptr) return true;
+    const device_ptr k = key(t);
+    if (k > lo && !overlapping(t->hole_left, lo, hi, f)) return false;
+    if (k < hi && k + t->size > lo && !f(t)) return false;
+    return k >= hi || overlapping(t->hole_right, lo, hi, f);
   }
   template <typename F>
   static void walk(PackedBlock* t, F& f) {
