@@ -91,7 +91,8 @@ device_ptr PackedVirtualAllocator::allocate(std::size_t nbytes, stream_t stream)
   live_.reserve_one();  // the only allocations on the hit path, and only while growing
   Block* spare = blocks_.acquire();  // the split's remainder, if any
   order_.note_stream(stream);
-  const std::size_t size = (nbytes + packed_block_bytes - 1) / packed_block_bytes * packed_block_bytes;
+  const std::size_t size =
+      (nbytes + packed_block_bytes - 1) / packed_block_bytes * packed_block_bytes;
   const int kind = nbytes <= small_threshold_ ? 0 : 1;
 
   Reservation* created = nullptr;  // dropped again if this call fails
