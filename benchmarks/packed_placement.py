@@ -46,8 +46,8 @@ def utilization_table():
         for name, kind in ALLOCATORS.items():
             r = replay_once(path, kind, before_window=before)
             cap, exact, _ = min_capacity(path, kind, before_window=before, reference=r)
-            print(f"  {name:<36} {r.peak_requested_bytes / MiB:8.1f} M {r.peak_reserved_bytes / MiB:8.1f} M"
-                  f"  {r.utilization:.3f}  {cap / MiB:10.1f} M{'' if exact else '?'}"
+            print(f"  {name:<36} {r.peak_requested_bytes / MiB:8.1f} M "
+                  f"{r.peak_reserved_bytes / MiB:8.1f} M  {r.utilization:.3f}  {cap / MiB:10.1f} M{'' if exact else '?'}"
                   f"  {r.peak_requested_bytes / cap:.3f}  {r.memory_management_calls:8,}")
 
 
@@ -60,24 +60,25 @@ def repeated_trace():
               f"  (per extra repetition: {(calls[2] - calls[0]) / 3:,.0f})")
 
 
-def training_pattern():
-    print("\nvmalloc bench's training-like step (48 layers): calls per step after warm-up")
+def training_pattern(steps=6):
+    print(f"\nvmalloc bench's training-like step (48 layers): memory-management calls in each "
+          f"of {steps} steps; host waits and modeled driver time in the last")
     sizes = training_layers(48)
     for name, kind in ALLOCATORS.items():
         dev = vmalloc.HostDevice(backed=False)
         a = (vmalloc.CachingAllocator(dev) if kind == "caching" else
              vmalloc.VirtualAllocator(dev) if kind == "virtual" else kind(dev))
         params = [a.allocate(n) for n in sizes]
-        training_step(a, sizes)
-        before = dev.counters()
-        for _ in range(4):
+        calls = []
+        for _ in range(steps):
+            before = dev.counters()
             training_step(a, sizes)
-        after = dev.counters()
-        mm = (after["memory_management_calls"] - before["memory_management_calls"]) / 4
-        syncs = (after["event_synchronize"] - before["event_synchronize"]) / 4
+            after = dev.counters()
+            calls.append(after["memory_management_calls"] - before["memory_management_calls"])
+        syncs = after["event_synchronize"] - before["event_synchronize"]
         s = a.stats()
-        print(f"  {name:<24} mm calls {mm:6.1f}  host waits {syncs:5.1f}  modeled "
-              f"{(after['modeled_seconds'] - before['modeled_seconds']) / 4 * 1e3:6.3f} ms"
+        print(f"  {name:<24} {' '.join(f'{c:3}' for c in calls)}  host waits {syncs}  modeled "
+              f"{(after['modeled_seconds'] - before['modeled_seconds']) * 1e3:6.3f} ms"
               f"  utilization {s.peak_requested_bytes / s.peak_reserved_bytes:.3f}")
         for p, n in zip(params, sizes):
             a.deallocate(p, n)
