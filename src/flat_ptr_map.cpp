@@ -16,12 +16,14 @@ void FlatPtrMap::rehash(std::size_t capacity) {
 }
 
 std::uintptr_t FlatPtrMap::erase(std::uintptr_t key) noexcept {
-  std::size_t i = slot_of(key);
-  for (;; i = (i + 1) & mask_) {
-    if (entries_[i].key == key) break;
-    if (entries_[i].key == 0) return 0;
-  }
+  const std::size_t i = find_slot(key);
+  if (i == npos) return 0;
   const std::uintptr_t value = entries_[i].value;
+  erase_at(i);
+  return value;
+}
+
+void FlatPtrMap::erase_at(std::size_t i) noexcept {
   // Backward-shift deletion: move later members of the probe run into the hole so that
   // lookups never need tombstones.
   std::size_t hole = i;
@@ -36,7 +38,6 @@ std::uintptr_t FlatPtrMap::erase(std::uintptr_t key) noexcept {
   }
   entries_[hole] = Entry{};
   --size_;
-  return value;
 }
 
 }  // namespace vmalloc::detail

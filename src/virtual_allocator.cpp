@@ -375,8 +375,9 @@ void VirtualAllocator::drop_reservation_if_empty(Reservation* res) {
 void VirtualAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t stream) {
   if (ptr == 0) return;
   std::lock_guard<std::mutex> lock(mutex_);
-  const std::uintptr_t v = live_.find(ptr);
-  if (v == 0) throw_invalid_pointer(ptr, "deallocate");
+  const std::size_t slot = live_.find_slot(ptr);  // valid until live_ changes below
+  if (slot == live_.npos) throw_invalid_pointer(ptr, "deallocate");
+  const std::uintptr_t v = live_.value_at(slot);
   if (v & block_tag) {
     ArenaBlock* b = reinterpret_cast<ArenaBlock*>(v & ~block_tag);
     if (nbytes != unknown_size && nbytes != b->requested)
@@ -384,7 +385,7 @@ void VirtualAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t s
                             " differs from the " + std::to_string(b->requested) +
                             " bytes allocated at " + hex(ptr));
     const PendingWork work = order_.on_free(stream);  // may throw: nothing changed
-    live_.erase(ptr);
+    live_.erase_at(slot);
     --live_blocks_;
     counters_.count_deallocation(b->requested, b->size);
     ArenaChunk* c = arena_.deallocate(b, work);
@@ -401,7 +402,7 @@ void VirtualAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t s
                           " differs from the " + std::to_string(r->requested) +
                           " bytes allocated at " + hex(ptr));
   const PendingWork work = order_.on_free(stream);  // may throw: nothing changed
-  live_.erase(ptr);
+  live_.erase_at(slot);
   live_chunks_ -= r->count;
   --live_ranges_;
   counters_.count_deallocation(r->requested, r->count * chunk_size_);

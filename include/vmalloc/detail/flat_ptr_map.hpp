@@ -41,6 +41,19 @@ class FlatPtrMap {
   // Removes `key`; returns its value, or 0 if absent.
   std::uintptr_t erase(std::uintptr_t key) noexcept;
 
+  // One probe for a lookup followed by a removal: the slot of `key` (npos if absent), valid
+  // until the map next changes; its value; its removal.
+  static constexpr std::size_t npos = static_cast<std::size_t>(-1);
+  std::size_t find_slot(std::uintptr_t key) const noexcept {
+    for (std::size_t i = slot_of(key);; i = (i + 1) & mask_) {
+      const Entry& e = entries_[i];
+      if (e.key == key) return i;
+      if (e.key == 0) return npos;
+    }
+  }
+  std::uintptr_t value_at(std::size_t slot) const noexcept { return entries_[slot].value; }
+  void erase_at(std::size_t slot) noexcept;
+
   template <typename F>
   void for_each(F&& f) const {
     for (const Entry& e : entries_)
