@@ -136,17 +136,21 @@ cdef class VirtualAllocator(Allocator):
             :doc:`virtual_allocator`).
         reservation_size: ``placement="packed"`` only: virtual bytes per reservation
             (``None``: 1 GiB); a larger request gets a reservation of its own size.
-        steal_before_create: ``placement="packed"`` only. ``True`` (the default): chunks
-            for newly touched slots are stolen from fully free mapped slots before new ones
-            are created, so reserved memory stays at the peak of what live blocks touch.
-            ``False``: new chunks first, stealing only at the budget or the capacity, so that
-            every slot a repeated pattern touches stays mapped and the pattern makes no driver
-            call after warm-up (the smallest device that runs a workload is the same).
+        steal_before_create: whether, on a miss, chunks are stolen from free mapped memory
+            whose frees' work is done before new ones are created. ``True`` keeps reserved
+            memory near the peak of what is in use; ``False`` creates new chunks first and
+            steals only at the budget or the capacity, so that what a repeated pattern
+            touches stays mapped and the pattern makes no driver call after warm-up (the
+            smallest device that runs a workload is the same). ``None``: ``False`` with
+            chunks placement (it keeps the zero-call steady state), ``True`` with packed
+            placement. See "Misses" and "Steal first, or create first" in
+            :doc:`virtual_allocator`.
 
     Raises:
         vmalloc.InvalidArgumentError: for a chunk size that is zero or not a multiple of the
             granularity, a budget below one chunk, a threshold above a chunk (chunks
-            placement), an unknown placement, or a packed-only option with chunks placement.
+            placement), an unknown placement, or ``reservation_size`` with chunks placement.
+        TypeError: for a ``steal_before_create`` that is not a bool.
     """
 
     cdef shared_ptr[CVirtualAllocator] c_virtual
