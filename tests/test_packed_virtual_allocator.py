@@ -160,6 +160,38 @@ def test_the_lowest_address_fitting_hole_wins_over_a_better_fit():
     assert va.packed_stats()["free_holes"] == 1  # the reservation's tail
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 6 * MiB), st.integers(0, 1 << 30)),
+                min_size=1, max_size=150))
+def test_every_allocation_takes_the_lowest_address_gap_that_fits(ops):
+    """First fit, exactly: on one stream in one reservation, the holes are the gaps between
+    live blocks (512-byte rounded), and each allocation starts at the lowest gap that fits."""
+    va = packed(vmalloc.HostDevice(backed=False), small_threshold=0)
+    base = va.allocate(1)
+    va.deallocate(base)
+    live = {}
+    for alloc, n, pick in ops:
+        if alloc or not live:
+            end = base  # of the live blocks so far: the next gap starts here
+            for q in sorted(live):
+                if q - end >= rounded(n):
+                    break
+                end = q + rounded(live[q])
+            ptr = va.allocate(n)
+            assert ptr == end
+            live[ptr] = n
+        else:
+            ptr = sorted(live)[pick % len(live)]
+            va.deallocate(ptr, live.pop(ptr))
+    gaps = 0
+    end = base
+    for q in sorted(live):
+        gaps += q > end
+        end = q + rounded(live[q])
+    assert va.packed_stats()["free_holes"] == gaps + 1  # and the reservation's tail
+    check_books(va, live)
+
+
 def test_steady_training_step_makes_no_driver_calls_after_warm_up():
     """A forward pass allocating activations of assorted sizes, a backward pass freeing them
     in reverse with gradients and temporaries: the same slots every step."""
