@@ -21,11 +21,16 @@ using detail::saturating_add;
 namespace {
 
 constexpr std::size_t default_reservation_size = std::size_t{1} << 30;
-// Stealing first may hold up to 1/16 more chunks than the peak of slots live blocks touched,
-// for slots that were stolen and needed again (see back_slots).
+// Stealing first may create chunks, rather than steal, for slots that were stolen and are
+// needed again (see back_slots): up to 1/16 above the peak of slots live blocks touched in
+// all, and 1/64 of that peak (at least one) per allocation: a loop's remaps are spread over
+// many allocations; one huge tensor landing on stolen slots is not a loop settling.
 constexpr std::size_t regret_slack_divisor = 16;
+constexpr std::size_t regret_step_divisor = 64;
 // PyTorch's small-pool limit: below it tensors are many, small and often long-lived.
 constexpr std::size_t default_small_threshold = std::size_t{1} << 20;
+// Holes up to 32 MiB get exact-size buckets (512 KiB of list heads per index).
+constexpr std::size_t exact_hole_units = (std::size_t{32} << 20) / packed_block_bytes;
 
 const std::shared_ptr<Device>& require_device(const std::shared_ptr<Device>& device) {
   if (!device) throw InvalidArgument("PackedVirtualAllocator: device is null");
@@ -65,7 +70,8 @@ PackedVirtualAllocator::PackedVirtualAllocator(std::shared_ptr<Device> device,
       reservation_size_(resolve_reservation_size(chunk_size_, options.reservation_size)),
       steal_before_create_(options.steal_before_create),
       pool_(device_, chunk_size_, options.budget),
-      order_(device_) {}
+      order_(device_),
+      holes_{detail::HoleIndex(exact_hole_units), detail::HoleIndex(exact_hole_units)} {}
 
 std::shared_ptr<PackedVirtualAllocator> PackedVirtualAllocator::create(
     std::shared_ptr<Device> device, const PackedVirtualAllocatorOptions& options) {
@@ -101,7 +107,9 @@ device_ptr PackedVirtualAllocator::allocate(std::size_t nbytes, stream_t stream)
     blocks_.release(spare);
   };
 
-  Block* h = holes_[kind].first_fit(size);
+  Block* h = holes_[kind].best_fit(size / packed_block_bytes, stream, [&](const Block* b) {
+    return unmapped_in(b->reservation, slot_of(b->offset), slot_of(b->offset + size - 1));
+  });
   try {
     if (h == nullptr) {
       // A fresh reservation needs ceil(size / mc) chunks: decide before reserving anything.
@@ -273,13 +281,15 @@ void PackedVirtualAllocator::back_slots(Reservation* res, std::size_t first, std
     if (steal_before_create_ && chunks.size() < need) {
       // A slot stolen before and needed again: stealing for it once more would only move the
       // remap elsewhere (a periodic loop would remap every step), so it gets a new chunk,
-      // while the chunks held stay within 1/16 above the peak of slots live blocks touched.
+      // within the limits above.
       std::size_t regrets = 0;
       for (std::size_t s = first; s <= last; ++s) regrets += res->robbed[s];
       const std::size_t held = pool_.chunks_held();
       const std::size_t cap = peak_live_slots_ + peak_live_slots_ / regret_slack_divisor;
-      const std::size_t create = std::min({regrets, need - chunks.size(),
-                                           pool_.creatable_chunks(), cap > held ? cap - held : 0});
+      const std::size_t create =
+          std::min({regrets, need - chunks.size(), pool_.creatable_chunks(),
+                    cap > held ? cap - held : 0,
+                    std::max<std::size_t>(1, peak_live_slots_ / regret_step_divisor)});
       if (chunks.size() + create < need)
         steal(need - chunks.size() - create, res, first, last, chunks, /*wait=*/false);
     }
@@ -364,17 +374,16 @@ void PackedVirtualAllocator::steal(std::size_t need, const Reservation* keep,
 
 void PackedVirtualAllocator::synchronize_holes(Reservation* res, std::size_t first,
                                                std::size_t last) {
-  holes_[res->kind].for_each_overlapping(
-      res->base + first * chunk_size_, res->base + (last + 1) * chunk_size_, [&](Block* b) {
-        order_.synchronize(b->work);
-        return true;
-      });
+  const std::size_t lo = first * chunk_size_, hi = (last + 1) * chunk_size_;
+  for (Block* b = res->first; b != nullptr && b->offset < hi; b = b->next)
+    if (b->free && b->end() > lo) order_.synchronize(b->work);
 }
 
 bool PackedVirtualAllocator::holes_done(Reservation* res, std::size_t first, std::size_t last) {
-  return holes_[res->kind].for_each_overlapping(
-      res->base + first * chunk_size_, res->base + (last + 1) * chunk_size_,
-      [&](Block* b) { return order_.poll(b->work); });
+  const std::size_t lo = first * chunk_size_, hi = (last + 1) * chunk_size_;
+  for (Block* b = res->first; b != nullptr && b->offset < hi; b = b->next)
+    if (b->free && b->end() > lo && !order_.poll(b->work)) return false;
+  return true;
 }
 
 void PackedVirtualAllocator::unmap_slots(Reservation* res, std::size_t first, std::size_t last,
@@ -478,7 +487,7 @@ void PackedVirtualAllocator::insert_hole(Block* b) noexcept {
     }
   }
   if (anchor != nullptr) {
-    index.replace(anchor, b);  // no hole lies between b and a neighbour it merged
+    index.replace(anchor, b);
     blocks_.release(anchor);
   } else {
     index.insert(b);

@@ -3,19 +3,18 @@
 // VirtualAllocator gives a request of mr bytes k = ceil(mr / mc) whole chunks, so every
 // allocation wastes up to a chunk (a 2.25 MiB tensor holds 4 MiB). Here allocations are
 // packed back to back in large reservations of virtual address space at 512-byte granularity,
-// first fit (the lowest-address hole large enough, so that a repeated pattern lands on the
-// same compact slots), with free neighbours merged and no segment boundaries inside a
-// reservation. Physical chunks back only the chunk slots that live blocks overlap: two
-// 2.25 MiB tensors share 3 chunks.
+// best fit by (size, address) over the free holes of all reservations, with free neighbours
+// merged and no segment boundaries inside a reservation. Physical chunks back only the chunk
+// slots that live blocks overlap: two 2.25 MiB tensors share 3 chunks.
 //
 // Backing a placed block: its unmapped slots get chunks from the pool's cache, else chunks
 // stolen from fully free mapped slots elsewhere whose frees' work is done (unmap + map +
 // set_access is far cheaper than cuMemCreate, and keeps reserved memory at what live blocks
 // touch; but a slot stolen before and needed again gets a new chunk, within 1/16 above the
-// peak of touched slots, so that a periodic loop stops moving chunks back and forth), else
-// new chunks within budget and capacity, else (under pressure) chunks stolen after waiting
-// for their work (or new chunks before any stealing: steal_before_create = false); one
-// cuMemSetAccess per contiguous run. Freed slots stay mapped, so a repeated pattern whose
+// peak of touched slots and 1/64 of it per allocation, so that a periodic loop stops moving
+// chunks back and forth), else new chunks within budget and capacity, else (under pressure)
+// chunks stolen after waiting for their work (or new chunks before any stealing:
+// steal_before_create = false); one cuMemSetAccess per contiguous run. Freed slots stay mapped, so a repeated pattern whose
 // blocks land on mapped slots makes no memory-management driver call.
 // No out-of-memory while ceil(mr / mc) fully free chunks exist: when the best hole would need
 // more chunks than are free, the block goes to a fresh chunk-aligned reservation.
@@ -62,11 +61,11 @@ struct PackedVirtualAllocatorOptions {
   // stolen from fully free mapped slots first (those whose frees' work is done: no host
   // wait), new chunks only when none is free or for a slot that was stolen and is needed
   // again, while the chunks held stay within peak + peak / 16 (peak: the most slots live
-  // blocks touched at once): a pattern whose live blocks move across more slots than that
-  // margin remaps chunks every time. false: new chunks
-  // first, stealing only at the budget or capacity: every slot a pattern touches stays
-  // mapped, so a repeated pattern makes no driver call after warm-up; the device needed is
-  // the same, more is held when memory is plentiful.
+  // blocks touched at once; at most max(1, peak / 64) such chunks per allocation): a pattern
+  // whose live blocks move across more slots than that margin remaps chunks every time.
+  // false: new chunks first, stealing only at the budget or capacity: every slot a pattern
+  // touches stays mapped, so a repeated pattern makes no driver call after warm-up; the
+  // device needed is the same, more is held when memory is plentiful.
   bool steal_before_create = true;
 };
 

@@ -1,172 +1,148 @@
-// The free holes of the packed allocator, indexed for first fit: the lowest-address hole of
-// at least n blocks of 512 bytes.
+// The free holes of the packed allocator, indexed for best fit by (size, address).
 //
-// Why first fit and not best fit: a periodic workload (a training step) should land the same
-// sizes at the same offsets step after step, and its live blocks should stay low and compact,
-// so that the chunk slots it touches are few and the same every step. Best fit by size sends
-// a block to whichever equal-sized hole exists anywhere, spreading the touched slots: on the
-// PyTorch snapshot with pre-window memory live, best fit plus remapping-avoidance holds 3.5 %
-// more chunks than first fit; on the swap stress pattern best fit touches 1.7x the slots.
-//
-// The holes form a treap ordered by address (reservation base + offset) whose nodes carry the
-// largest hole size of their subtree, so first fit, insert and remove take O(log holes)
-// expected steps. Priorities are a hash of the address (deterministic: the same sequence of
-// calls gives the same layout). Not thread-safe: the allocator's mutex guards it.
+// Holes up to `exact_units` blocks of 512 bytes sit in exact-size buckets (SizeBuckets: best
+// fit in a few find-first-set steps, no heap on the hit path). Larger holes, few by nature
+// (a reservation's untouched tail, the space of a freed huge tensor), sit in one intrusive
+// list scanned in full. Not thread-safe: the allocator's mutex guards it.
 #pragma once
 
 #include <cstddef>
-#include <cstdint>
 
 #include "vmalloc/detail/packed_space.hpp"
+#include "vmalloc/detail/size_buckets.hpp"
+#include "vmalloc/detail/stream_order.hpp"
 
 namespace vmalloc::detail {
 
 class HoleIndex {
  public:
+  // Holes in one exact bucket examined for one the caller's stream may use at once.
+  static constexpr int scan = 8;
+
+  explicit HoleIndex(std::size_t exact_units) : exact_(exact_units) {
+    buckets_.reserve(exact_units);  // so insert() never allocates
+  }
+
   void insert(PackedBlock* b) noexcept {
-    b->hole_left = b->hole_right = nullptr;
-    b->hole_priority = priority_of(key(b));
-    b->subtree_max = b->size;
-    root_ = insert(root_, b);
+    const std::size_t units = b->size / packed_block_bytes;
+    if (units < exact_) {
+      buckets_.insert(b, units);
+    } else {
+      b->bucket = exact_;
+      b->bucket_prev = nullptr;
+      b->bucket_next = large_;
+      if (large_ != nullptr) large_->bucket_prev = b;
+      large_ = b;
+      ++large_count_;
+    }
     ++count_;
   }
 
   void remove(PackedBlock* b) noexcept {
-    root_ = remove(root_, b, key(b));
-    b->hole_left = b->hole_right = nullptr;
+    if (b->bucket < exact_) {
+      buckets_.remove(b);
+    } else {
+      if (b->bucket_prev != nullptr) b->bucket_prev->bucket_next = b->bucket_next;
+      else large_ = b->bucket_next;
+      if (b->bucket_next != nullptr) b->bucket_next->bucket_prev = b->bucket_prev;
+      b->bucket_prev = b->bucket_next = nullptr;
+      --large_count_;
+    }
     --count_;
   }
 
   // Puts `b` (not indexed) in the place of the indexed hole `old`, which leaves the index:
-  // the cache-hit path's split and merges, cheaper than remove + insert. No other hole may
-  // lie between the addresses of `old` and `b` (a split's remainder, a merged neighbour).
+  // a split's remainder or a merged hole. Two large holes swap places in the list (the
+  // common case of carving from and merging back into a reservation's tail).
   void replace(PackedBlock* old, PackedBlock* b) noexcept {
-    root_ = replace(root_, old, b, key(old));
-    old->hole_left = old->hole_right = nullptr;
-  }
-
-  // The lowest-address hole of at least `bytes`, or nullptr.
-  PackedBlock* first_fit(std::size_t bytes) const noexcept {
-    PackedBlock* t = root_;
-    if (t == nullptr || t->subtree_max < bytes) return nullptr;
-    for (;;) {
-      if (t->hole_left != nullptr && t->hole_left->subtree_max >= bytes) t = t->hole_left;
-      else if (t->size >= bytes) return t;
-      else t = t->hole_right;  // its subtree holds the fit (subtree_max >= bytes)
+    if (old->bucket < exact_ || b->size / packed_block_bytes < exact_) {
+      remove(old);
+      insert(b);
+      return;
     }
+    b->bucket = exact_;
+    b->bucket_prev = old->bucket_prev;
+    b->bucket_next = old->bucket_next;
+    if (b->bucket_prev != nullptr) b->bucket_prev->bucket_next = b;
+    else large_ = b;
+    if (b->bucket_next != nullptr) b->bucket_next->bucket_prev = b;
+    old->bucket_prev = old->bucket_next = nullptr;
   }
 
-  // Calls f(hole) for the holes overlapping addresses [lo, hi), in address order, until f
-  // returns false; false if it did. O(log holes + visited).
-  template <typename F>
-  bool for_each_overlapping(device_ptr lo, device_ptr hi, F&& f) const {
-    return overlapping(root_, lo, hi, f);
+  // The best hole of at least `units` blocks: the smallest; among equal sizes one that
+  // `stream` may use at once, then the lowest address. nullptr if none fits.
+  //
+  // `unmapped(b)` counts the slots a block placed at b's start would have to map. If the
+  // best exact-size fit needs some, the next `scan` sizes up are tried for a hole that
+  // needs none (and is as usable on `stream`): a hole a little larger on chunks already
+  // mapped costs no memory now, where the best fit would steal a chunk from elsewhere, and
+  // a repeating step would then steal it back (remapping every step). Larger holes than the
+  // exact buckets are not tried: that would break up a reservation's tail.
+  template <typename Unmapped>
+  PackedBlock* best_fit(std::size_t units, stream_t stream, Unmapped&& unmapped) const {
+    if (units < exact_ && !buckets_.empty()) {  // no bitmap search while no hole is bucketed
+      const std::size_t u = buckets_.best_fit(units);
+      if (u != buckets_.npos) {
+        PackedBlock* best = best_in(u, stream);
+        if (unmapped(best) == 0) return best;
+        const bool usable = StreamOrder::free_on(best->work, stream);
+        int k = 0;
+        for (std::size_t v = buckets_.best_fit(u + 1); v != buckets_.npos && k < scan;
+             v = buckets_.best_fit(v + 1), ++k) {
+          PackedBlock* b = best_in(v, stream);
+          if ((!usable || StreamOrder::free_on(b->work, stream)) && unmapped(b) == 0) return b;
+        }
+        return best;
+      }
+    }
+    PackedBlock* best = nullptr;
+    for (PackedBlock* b = large_; b != nullptr; b = b->bucket_next) {
+      if (b->size / packed_block_bytes < units) continue;
+      if (best == nullptr || b->size < best->size ||
+          (b->size == best->size && better(b, best, stream)))
+        best = b;
+    }
+    return best;
   }
 
   std::size_t count() const noexcept { return count_; }
+  std::size_t large_count() const noexcept { return large_count_; }
 
-  // Calls f(hole) for every hole, in address order (f must not modify the index).
   template <typename F>
   void for_each(F&& f) const {
-    walk(root_, f);
+    buckets_.for_each(f);
+    for (PackedBlock* b = large_; b != nullptr; b = b->bucket_next) f(b);
   }
 
  private:
-  static device_ptr key(const PackedBlock* b) noexcept {
-    return b->reservation->base + b->offset;
-  }
-  static std::uint64_t priority_of(device_ptr k) noexcept {
-    std::uint64_t x = (k >> 9) * 0x9E3779B97F4A7C15ull;  // Fibonacci hash, then a finalizer
-    x ^= x >> 31;
-    x *= 0xBF58476D1CE4E5B9ull;
-    return x ^ (x >> 29);
-  }
-  static void update(PackedBlock* t) noexcept {
-    std::size_t m = t->size;
-    if (t->hole_left != nullptr && t->hole_left->subtree_max > m) m = t->hole_left->subtree_max;
-    if (t->hole_right != nullptr && t->hole_right->subtree_max > m) m = t->hole_right->subtree_max;
-    t->subtree_max = m;
-  }
-  // Splits `t` into the holes below `k` (l) and the others (r).
-  static void split(PackedBlock* t, device_ptr k, PackedBlock*& l, PackedBlock*& r) noexcept {
-    if (t == nullptr) {
-      l = r = nullptr;
-    } else if (key(t) < k) {
-      split(t->hole_right, k, t->hole_right, r);
-      l = t;
-      update(t);
-    } else {
-      split(t->hole_left, k, l, t->hole_left);
-      r = t;
-      update(t);
-    }
-  }
-  // Joins two treaps, every key of `l` below every key of `r`.
-  static PackedBlock* merge(PackedBlock* l, PackedBlock* r) noexcept {
-    if (l == nullptr) return r;
-    if (r == nullptr) return l;
-    if (l->hole_priority > r->hole_priority) {
-      l->hole_right = merge(l->hole_right, r);
-      update(l);
-      return l;
-    }
-    r->hole_left = merge(l, r->hole_left);
-    update(r);
-    return r;
-  }
-  static PackedBlock* insert(PackedBlock* t, PackedBlock* b) noexcept {
-    if (t == nullptr) return b;
-    if (b->hole_priority > t->hole_priority) {
-      split(t, key(b), b->hole_left, b->hole_right);
-      update(b);
-      return b;
-    }
-    if (key(b) < key(t)) t->hole_left = insert(t->hole_left, b);
-    else t->hole_right = insert(t->hole_right, b);
-    update(t);
-    return t;
-  }
-  static PackedBlock* remove(PackedBlock* t, PackedBlock* b, device_ptr k) noexcept {
-    if (t == b) return merge(b->hole_left, b->hole_right);
-    if (k < key(t)) t->hole_left = remove(t->hole_left, b, k);
-    else t->hole_right = remove(t->hole_right, b, k);
-    update(t);
-    return t;
-  }
-  static PackedBlock* replace(PackedBlock* t, PackedBlock* old, PackedBlock* b,
-                              device_ptr k) noexcept {
-    if (t == old) {
-      b->hole_left = old->hole_left;
-      b->hole_right = old->hole_right;
-      b->hole_priority = old->hole_priority;  // keeps the heap order: b sits where old was
-      update(b);
-      return b;
-    }
-    if (k < key(t)) t->hole_left = replace(t->hole_left, old, b, k);
-    else t->hole_right = replace(t->hole_right, old, b, k);
-    update(t);
-    return t;
-  }
-  // Holes do not overlap and are ordered: those left of a hole starting at or below `lo`
-  // end at or below it, those right of one starting at or above `hi` start above it.
-  template <typename F>
-  static bool overlapping(PackedBlock* t, device_ptr lo, device_ptr hi, F& f) {
-    if (t == nullptr) return true;
-    const device_ptr k = key(t);
-    if (k > lo && !overlapping(t->hole_left, lo, hi, f)) return false;
-    if (k < hi && k + t->size > lo && !f(t)) return false;
-    return k >= hi || overlapping(t->hole_right, lo, hi, f);
-  }
-  template <typename F>
-  static void walk(PackedBlock* t, F& f) {
-    if (t == nullptr) return;
-    walk(t->hole_left, f);
-    f(t);
-    walk(t->hole_right, f);
+  // The best of the first `scan` holes of exact size `u` (non-empty).
+  PackedBlock* best_in(std::size_t u, stream_t stream) const noexcept {
+    PackedBlock* best = nullptr;
+    int n = 0;
+    for (PackedBlock* b = buckets_.head(u); b != nullptr && n < scan; b = b->bucket_next, ++n)
+      if (best == nullptr || better(b, best, stream)) best = b;
+    return best;
   }
 
-  PackedBlock* root_ = nullptr;
+  // Same size: usable at once on `stream` first, then the lower address (packs low, so
+  // that the top of the space empties and its chunks can be stolen).
+  static bool better(const PackedBlock* a, const PackedBlock* b, stream_t stream) noexcept {
+    const bool ua = StreamOrder::free_on(a->work, stream);
+    const bool ub = StreamOrder::free_on(b->work, stream);
+    if (ua != ub) return ua;
+    return address(a) < address(b);
+  }
+  static device_ptr address(const PackedBlock* b) noexcept;
+
+  const std::size_t exact_;
+  SizeBuckets<PackedBlock> buckets_;
+  PackedBlock* large_ = nullptr;
+  std::size_t large_count_ = 0;
   std::size_t count_ = 0;
 };
+
+inline device_ptr HoleIndex::address(const PackedBlock* b) noexcept {
+  return b->reservation->base + b->offset;
+}
 
 }  // namespace vmalloc::detail

@@ -32,10 +32,9 @@ struct PackedBlock {
   PackedBlock* next = nullptr;
   bool free = true;
   PendingWork work;            // free: what may still use the memory
-  PackedBlock* hole_left = nullptr;   // free: hole-index (treap) hooks
-  PackedBlock* hole_right = nullptr;
-  std::uint64_t hole_priority = 0;
-  std::size_t subtree_max = 0;        // the largest hole size in its subtree
+  PackedBlock* bucket_prev = nullptr;  // free: hole-index hooks
+  PackedBlock* bucket_next = nullptr;
+  std::size_t bucket = 0;
 
   std::size_t end() const noexcept { return offset + size; }
 };
