@@ -179,3 +179,18 @@ def test_python_dash_m_and_help(tmp_path):
                    "--no-min-capacity", "--allocator", "--format", "--device"):
         assert option in done.stdout
     assert main(["--version"]) == 0
+
+
+def test_replay_steal_before_create_reaches_the_virtual_allocators(capsys, small_trace):
+    # The 3 MiB tensor's 2 chunks are cached when the 12 MiB one (6 chunks) comes: stealing
+    # first remaps them (peak 6 + the small-block arena's chunk), creating first does not.
+    peaks = {}
+    for flag in ("--steal-before-create", "--no-steal-before-create"):
+        code, out, _ = run(capsys, "replay", str(small_trace), "--json", "--no-min-capacity",
+                           "-a", "virtual,caching", flag)
+        assert code == 0
+        virtual, caching = json.loads(out)
+        assert virtual["options"] == {"steal_before_create": flag == "--steal-before-create"}
+        assert caching["options"] == {}  # not a caching allocator option
+        peaks[flag] = virtual["peak_reserved_bytes"]
+    assert peaks == {"--steal-before-create": 14 * MiB, "--no-steal-before-create": 18 * MiB}

@@ -68,6 +68,10 @@ def _add_run_options(p):
                    help="the caching allocator's max_split_size (as PyTorch's)")
     p.add_argument("--policy", choices=("pytorch", "nnabla", "cupy"),
                    help="the caching allocator's policy preset (default pytorch)")
+    p.add_argument("--steal-before-create", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="the virtual allocators reuse free cached chunks before creating new "
+                        "ones (default: on for virtual-packed, off for virtual)")
     p.add_argument("--json", action="store_true",
                    help="print a JSON list of results instead of a table")
     p.add_argument("--plot", metavar="FILE.png",
@@ -171,6 +175,7 @@ def _run(sources, args):
         results += replay(source, allocators, capacity=args.capacity,
                           granularity=args.granularity, chunk_size=args.chunk_size,
                           max_split_size=args.max_split_size, policy=args.policy,
+                          steal_before_create=args.steal_before_create,
                           min_capacity=args.min_capacity, max_probes=max_probes,
                           progress=progress)
     return results

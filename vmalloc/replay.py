@@ -237,12 +237,14 @@ def _source(trace, format=None, device=0, before_window="drop", name=None):
                        before_window=before_window)
 
 
-def make_allocator(kind, device, chunk_size=None, max_split_size=None, policy=None):
+def make_allocator(kind, device, chunk_size=None, max_split_size=None, policy=None,
+                   steal_before_create=None):
     """Builds the allocator ``kind`` on ``device``.
 
     ``kind`` is ``"caching"`` (:class:`vmalloc.CachingAllocator`, which takes
     ``max_split_size`` and ``policy``), ``"virtual"`` (:class:`vmalloc.VirtualAllocator`,
-    which takes ``chunk_size``), ``"virtual-packed"`` (the same with ``placement="packed"``),
+    which takes ``chunk_size`` and ``steal_before_create``), ``"virtual-packed"`` (the same
+    with ``placement="packed"``),
     or a callable ``kind(device) -> Allocator`` for anything
     else. Options that do not apply to the kind are ignored, so that one set of options
     serves a comparison.
@@ -255,6 +257,8 @@ def make_allocator(kind, device, chunk_size=None, max_split_size=None, policy=No
     if kind in ("virtual", "virtual-packed"):
         if chunk_size is not None:
             options["chunk_size"] = chunk_size
+        if steal_before_create is not None:
+            options["steal_before_create"] = bool(steal_before_create)
         if kind == "virtual-packed":
             options["placement"] = "packed"
         return vmalloc.VirtualAllocator(device, **options)
@@ -268,11 +272,13 @@ def make_allocator(kind, device, chunk_size=None, max_split_size=None, policy=No
         f"unknown allocator {kind!r}; choose from {', '.join(ALLOCATOR_NAMES)}")
 
 
-def _options(kind, chunk_size, max_split_size, policy):
+def _options(kind, chunk_size, max_split_size, policy, steal_before_create=None):
     """The allocator options that apply to ``kind``, parsed."""
     options = {}
     if chunk_size is not None and kind in ("virtual", "virtual-packed"):
         options["chunk_size"] = parse_size(chunk_size, "chunk_size")
+    if steal_before_create is not None and kind in ("virtual", "virtual-packed"):
+        options["steal_before_create"] = bool(steal_before_create)
     if kind == "caching":
         if max_split_size is not None:
             options["max_split_size"] = parse_size(max_split_size, "max_split_size")
@@ -351,8 +357,9 @@ def _passes(source, kind, capacity, granularity, options, label=None):
 
 
 def replay_once(trace, allocator="virtual", *, capacity=None, granularity=None, chunk_size=None,
-                max_split_size=None, policy=None, timeline_points=2048, progress=False,
-                format=None, device=0, before_window="drop", name=None):
+                max_split_size=None, policy=None, steal_before_create=None,
+                timeline_points=2048, progress=False, format=None, device=0,
+                before_window="drop", name=None):
     """Replays ``trace`` through one allocator on a fresh unbacked HostDevice.
 
     Args:
@@ -363,6 +370,8 @@ def replay_once(trace, allocator="virtual", *, capacity=None, granularity=None, 
         granularity: the device's granularity (default: the device's, 2 MiB).
         chunk_size: the virtual allocator's chunk size.
         max_split_size, policy: the caching allocator's options.
+        steal_before_create: the virtual allocator's option (None: its default for the
+            placement; see :class:`vmalloc.VirtualAllocator`).
         timeline_points: resolution of the result's :class:`Timeline` (0: none).
         progress: draw a progress bar on stderr.
         format, device, before_window: how to read a trace file
@@ -378,7 +387,7 @@ def replay_once(trace, allocator="virtual", *, capacity=None, granularity=None, 
         raise InvalidArgumentError("capacity must be positive, or None for unlimited")
     granularity = parse_size(granularity, "granularity", allow_none=True)
     kind_name = allocator if isinstance(allocator, str) else None
-    options = _options(kind_name, chunk_size, max_split_size, policy)
+    options = _options(kind_name, chunk_size, max_split_size, policy, steal_before_create)
     label = f"{source.name}: {kind_name or 'allocator'}" if progress else None
     engine, alloc, dev, seconds = _run(source, allocator, capacity, granularity, options,
                                        timeline_points, label)
@@ -430,8 +439,9 @@ def _result(source, kind, engine, allocator, device, seconds, capacity, options)
 
 
 def min_capacity(trace, allocator="virtual", *, granularity=None, chunk_size=None,
-                 max_split_size=None, policy=None, max_probes=MAX_PROBES, reference=None,
-                 format=None, device=0, before_window="drop"):
+                 max_split_size=None, policy=None, steal_before_create=None,
+                 max_probes=MAX_PROBES, reference=None, format=None, device=0,
+                 before_window="drop"):
     """The smallest device capacity, in whole granules, under which ``trace`` runs to the end.
 
     Bisection between the trace's peak requested bytes (no allocator can do with less) and
@@ -447,7 +457,7 @@ def min_capacity(trace, allocator="virtual", *, granularity=None, chunk_size=Non
     """
     source = _source(trace, format=format, device=device, before_window=before_window)
     kind_name = allocator if isinstance(allocator, str) else None
-    options = _options(kind_name, chunk_size, max_split_size, policy)
+    options = _options(kind_name, chunk_size, max_split_size, policy, steal_before_create)
     granularity = parse_size(granularity, "granularity", allow_none=True)
     if max_probes < 1:
         raise InvalidArgumentError(f"max_probes must be at least 1, got {max_probes}")
@@ -495,8 +505,8 @@ def _bisect(source, kind, granularity, options, max_probes, reference, progress=
 
 
 def replay(trace=None, allocators=ALLOCATOR_KINDS, *, capacity=None, granularity=None,
-           chunk_size=None, max_split_size=None, policy=None, min_capacity=True,
-           max_probes=MAX_PROBES, timeline_points=2048, progress=False, format=None,
+           chunk_size=None, max_split_size=None, policy=None, steal_before_create=None,
+           min_capacity=True, max_probes=MAX_PROBES, timeline_points=2048, progress=False, format=None,
            device=0, before_window="drop", name=None):
     """Replays one trace through each allocator; returns a list of :class:`ReplayResult`.
 
@@ -519,7 +529,8 @@ def replay(trace=None, allocators=ALLOCATOR_KINDS, *, capacity=None, granularity
     for kind in allocators:
         result = replay_once(source, kind, capacity=capacity, granularity=granularity,
                              chunk_size=chunk_size, max_split_size=max_split_size,
-                             policy=policy, timeline_points=timeline_points, progress=progress)
+                             policy=policy, steal_before_create=steal_before_create,
+                             timeline_points=timeline_points, progress=progress)
         if min_capacity:
             capacity_bytes, exact, probes, peak_requested = _bisect(
                 source, kind, parse_size(granularity, "granularity", allow_none=True),
