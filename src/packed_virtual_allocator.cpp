@@ -435,15 +435,15 @@ std::size_t PackedVirtualAllocator::unmapped_in(const Reservation* res, std::siz
 void PackedVirtualAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t stream) {
   if (ptr == 0) return;
   std::lock_guard<std::mutex> lock(mutex_);
-  const std::uintptr_t v = live_.find(ptr);
-  if (v == 0) throw_invalid_pointer(ptr, "deallocate");
-  Block* b = reinterpret_cast<Block*>(v);
+  const std::size_t slot = live_.find_slot(ptr);  // one probe: found here, erased below
+  if (slot == detail::FlatPtrMap::npos) throw_invalid_pointer(ptr, "deallocate");
+  Block* b = reinterpret_cast<Block*>(live_.value_at(slot));
   if (nbytes != unknown_size && nbytes != b->requested)
     throw InvalidArgument("PackedVirtualAllocator.deallocate: nbytes " + std::to_string(nbytes) +
                           " differs from the " + std::to_string(b->requested) +
                           " bytes allocated at " + hex(ptr));
   const PendingWork work = order_.on_free(stream);  // may throw: nothing changed
-  live_.erase(ptr);
+  live_.erase_at(slot);  // the map has not changed since find_slot
   counters_.count_deallocation(b->requested, b->size);
   Reservation* res = b->reservation;
   for (std::size_t s = slot_first(b), e = slot_last(b); s <= e; ++s) {
