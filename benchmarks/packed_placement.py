@@ -23,6 +23,8 @@ ALLOCATORS = {
     "caching": "caching",
     "virtual (chunks)": "virtual",
     "packed (steal first)": lambda d: vmalloc.VirtualAllocator(d, placement="packed"),
+    "packed (remap_slack 1/16)": lambda d: vmalloc.VirtualAllocator(
+        d, placement="packed", remap_slack=1 / 16),
     "packed (create first)": lambda d: vmalloc.VirtualAllocator(
         d, placement="packed", steal_before_create=False),
 }

@@ -1,6 +1,6 @@
 """Packed placement on the emulated device: tensors sharing chunks, the chunks held against
-chunk placement, steal-first against create-first on a repeated training step, and a replay of
-the built-in trace through both placements.
+chunk placement, steal-first (with and without a remap slack) against create-first on a
+repeated training step, and a replay of the built-in trace through both placements.
 
     python examples/packed_placement.py
 """
@@ -27,11 +27,12 @@ def two_tensors():
               f"{format_size(s.internal_fragmentation_bytes)}")
 
 
-def training_steps(steal_before_create):
+def training_steps(steal_before_create, remap_slack=0.0):
     """Calls per step of a forward/backward pattern whose gradients outlive activations."""
     dev = vmalloc.HostDevice(backed=False)
     va = vmalloc.VirtualAllocator(dev, placement="packed",
-                                  steal_before_create=steal_before_create)
+                                  steal_before_create=steal_before_create,
+                                  remap_slack=remap_slack)
     layers = [3 * MiB, 9 * MiB, 700 * KiB, 25 * MiB, 16 * KiB, 9 * MiB // 4] * 6
     calls = []
     for _ in range(4):
@@ -45,8 +46,10 @@ def training_steps(steal_before_create):
             va.deallocate(g, n)
         calls.append(dev.counters()["memory_management_calls"] - before)
     s = va.stats()
-    print(f"  steal_before_create={steal_before_create!s:<5}  driver calls per step {calls}"
+    print(f"  steal_before_create={steal_before_create!s:<5} remap_slack={remap_slack:<6.4g} "
+          f"driver calls per step {calls}"
           f"  utilization {s.peak_requested_bytes / s.peak_reserved_bytes:.3f}")
+    return calls
 
 
 def replay_builtin():
@@ -61,8 +64,9 @@ def replay_builtin():
 def main():
     two_tensors()
     print("a training step repeated four times")
-    training_steps(True)
-    training_steps(False)
+    assert training_steps(True)[-1] > 0        # the least held: some chunks move every step
+    assert training_steps(True, 1 / 16)[-1] == 0  # 1/16 more held: settles
+    assert training_steps(False)[-1] == 0       # create first: settles, most held
     replay_builtin()
 
 

@@ -22,11 +22,17 @@ namespace {
 
 constexpr std::size_t default_reservation_size = std::size_t{1} << 30;
 // Stealing first may create chunks, rather than steal, for slots that were stolen and are
-// needed again (see back_slots): up to 1/16 above the peak of slots live blocks touched in
-// all, and 1/64 of that peak (at least one) per allocation: a loop's remaps are spread over
-// many allocations; one huge tensor landing on stolen slots is not a loop settling.
-constexpr std::size_t regret_slack_divisor = 16;
+// needed again (see back_slots): up to remap_slack above the peak of slots live blocks
+// touched in all, and 1/64 of that peak (at least one) per allocation: a loop's remaps are
+// spread over many allocations; one huge tensor landing on stolen slots is not a loop settling.
 constexpr std::size_t regret_step_divisor = 64;
+
+double resolve_remap_slack(double slack) {
+  if (!(slack >= 0.0 && slack <= 1.0))  // also refuses NaN
+    throw InvalidArgument("PackedVirtualAllocator: remap_slack must be in [0, 1], got " +
+                          std::to_string(slack));
+  return slack;
+}
 // PyTorch's small-pool limit: below it tensors are many, small and often long-lived.
 constexpr std::size_t default_small_threshold = std::size_t{1} << 20;
 // Holes up to 32 MiB get exact-size buckets (512 KiB of list heads per index).
@@ -69,6 +75,7 @@ PackedVirtualAllocator::PackedVirtualAllocator(std::shared_ptr<Device> device,
       small_threshold_(resolve_small_threshold(options.small_threshold)),
       reservation_size_(resolve_reservation_size(chunk_size_, options.reservation_size)),
       steal_before_create_(options.steal_before_create),
+      remap_slack_(resolve_remap_slack(options.remap_slack)),
       pool_(device_, chunk_size_, options.budget),
       order_(device_),
       holes_{detail::HoleIndex(exact_hole_units), detail::HoleIndex(exact_hole_units)} {}
@@ -280,16 +287,20 @@ void PackedVirtualAllocator::back_slots(Reservation* res, std::size_t first, std
       chunks.push_back(h);
     if (steal_before_create_ && chunks.size() < need) {
       // A slot stolen before and needed again: stealing for it once more would only move the
-      // remap elsewhere (a periodic loop would remap every step), so it gets a new chunk,
-      // within the limits above.
-      std::size_t regrets = 0;
-      for (std::size_t s = first; s <= last; ++s) regrets += res->robbed[s];
-      const std::size_t held = pool_.chunks_held();
-      const std::size_t cap = peak_live_slots_ + peak_live_slots_ / regret_slack_divisor;
-      const std::size_t create =
-          std::min({regrets, need - chunks.size(), pool_.creatable_chunks(),
-                    cap > held ? cap - held : 0,
-                    std::max<std::size_t>(1, peak_live_slots_ / regret_step_divisor)});
+      // remap elsewhere (a periodic loop would remap every step), so with a remap_slack it
+      // gets a new chunk, within the limits above.
+      std::size_t create = 0;
+      if (remap_slack_ > 0.0) {
+        std::size_t regrets = 0;
+        for (std::size_t s = first; s <= last; ++s) regrets += res->robbed[s];
+        const std::size_t held = pool_.chunks_held();
+        const std::size_t cap =
+            peak_live_slots_ + static_cast<std::size_t>(
+                                   static_cast<double>(peak_live_slots_) * remap_slack_);
+        create = std::min({regrets, need - chunks.size(), pool_.creatable_chunks(),
+                           cap > held ? cap - held : 0,
+                           std::max<std::size_t>(1, peak_live_slots_ / regret_step_divisor)});
+      }
       if (chunks.size() + create < need)
         steal(need - chunks.size() - create, res, first, last, chunks, /*wait=*/false);
     }
@@ -554,6 +565,7 @@ PackedStats PackedVirtualAllocator::packed_stats() const {
   s.small_threshold = small_threshold_;
   s.reservation_size = reservation_size_;
   s.steal_before_create = steal_before_create_;
+  s.remap_slack = remap_slack_;
   s.budget_bytes = p.budget_bytes;
   s.chunks_held = p.chunks_held;
   s.peak_chunks_held = p.peak_chunks_held;

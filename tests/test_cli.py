@@ -194,3 +194,16 @@ def test_replay_steal_before_create_reaches_the_virtual_allocators(capsys, small
         assert caching["options"] == {}  # not a caching allocator option
         peaks[flag] = virtual["peak_reserved_bytes"]
     assert peaks == {"--steal-before-create": 14 * MiB, "--no-steal-before-create": 18 * MiB}
+
+
+def test_replay_remap_slack_reaches_packed_placement_only(capsys, small_trace):
+    code, out, _ = run(capsys, "replay", str(small_trace), "--json", "--no-min-capacity",
+                       "-a", "virtual-packed,virtual", "--remap-slack", "0.0625")
+    assert code == 0
+    packed, chunks = json.loads(out)
+    assert packed["options"] == {"remap_slack": 0.0625}
+    assert chunks["options"] == {}
+    code, out, err = run(capsys, "replay", str(small_trace), "-a", "virtual-packed",
+                         "--remap-slack", "2")
+    assert code == 2 and out == ""
+    assert "remap_slack must be in [0, 1], got 2" in err

@@ -64,6 +64,7 @@ cdef extern from "vmalloc/packed_virtual_allocator.hpp" namespace "vmalloc" nogi
         size_t small_threshold
         size_t reservation_size
         bool steal_before_create
+        double remap_slack
 
     cdef size_t packed_default_small_threshold \
         "vmalloc::PackedVirtualAllocatorOptions::default_small_threshold"
@@ -73,6 +74,7 @@ cdef extern from "vmalloc/packed_virtual_allocator.hpp" namespace "vmalloc" nogi
         size_t small_threshold
         size_t reservation_size
         bool steal_before_create
+        double remap_slack
         size_t budget_bytes
         size_t chunks_held
         size_t peak_chunks_held
@@ -103,6 +105,7 @@ cdef extern from "vmalloc/packed_virtual_allocator.hpp" namespace "vmalloc" nogi
         size_t small_threshold()
         size_t reservation_size()
         bool steal_before_create()
+        double remap_slack()
         size_t budget()
 
 #: The placement policies of :class:`VirtualAllocator`.
@@ -145,11 +148,20 @@ cdef class VirtualAllocator(Allocator):
             chunks placement (it keeps the zero-call steady state), ``True`` with packed
             placement. See "Misses" and "Steal first, or create first" in
             :doc:`virtual_allocator`.
+        remap_slack: ``placement="packed"`` with stealing first only: how far above the peak
+            of chunk slots live blocks touched at once the chunks held may grow (a fraction
+            in [0, 1]) so that a repeating step whose blocks touch more slots over the step
+            than at once stops remapping chunks: a slot that was stolen and is needed again
+            gets a new chunk instead. ``None`` or 0: always steal, holding the least memory
+            (the utilization target); 1/16 settles typical training steps to no driver call
+            after warm-up for at most 1/16 more memory held. See "Repeating steps" in
+            :doc:`virtual_allocator`.
 
     Raises:
         vmalloc.InvalidArgumentError: for a chunk size that is zero or not a multiple of the
             granularity, a budget below one chunk, a threshold above a chunk (chunks
-            placement), an unknown placement, or ``reservation_size`` with chunks placement.
+            placement), an unknown placement, ``reservation_size`` or ``remap_slack`` with
+            chunks placement, or a ``remap_slack`` outside [0, 1].
         TypeError: for a ``steal_before_create`` that is not a bool.
     """
 
@@ -159,16 +171,19 @@ cdef class VirtualAllocator(Allocator):
 
     def __init__(self, Device device not None, chunk_size=None, budget=None,
                  small_threshold=None, placement="chunks", reservation_size=None,
-                 steal_before_create=None):
+                 steal_before_create=None, remap_slack=None):
         if placement not in PLACEMENTS:
             raise_invalid(f"placement must be one of {', '.join(map(repr, PLACEMENTS))}, "
                           f"got {placement!r}")
         if placement == "packed":
             self._init_packed(device, chunk_size, budget, small_threshold, reservation_size,
-                              True if steal_before_create is None else steal_before_create)
+                              True if steal_before_create is None else steal_before_create,
+                              remap_slack)
             return
         if reservation_size is not None:
             raise_invalid('reservation_size applies to placement="packed" only')
+        if remap_slack is not None:
+            raise_invalid('remap_slack applies to placement="packed" only')
         if steal_before_create is None:
             steal_before_create = False
         if steal_before_create is not True and steal_before_create is not False:
@@ -189,7 +204,7 @@ cdef class VirtualAllocator(Allocator):
         self.device = device
 
     def _init_packed(self, Device device, chunk_size, budget, small_threshold,
-                     reservation_size, steal_before_create):
+                     reservation_size, steal_before_create, remap_slack):
         cdef PackedVirtualAllocatorOptions options
         options.chunk_size = 0 if chunk_size is None else parse_size(chunk_size, "chunk_size")
         if chunk_size is not None and options.chunk_size == 0:
@@ -206,6 +221,8 @@ cdef class VirtualAllocator(Allocator):
         if steal_before_create is not True and steal_before_create is not False:
             raise TypeError(f"steal_before_create must be a bool, got {steal_before_create!r}")
         options.steal_before_create = steal_before_create
+        if remap_slack is not None:
+            options.remap_slack = float(remap_slack)  # checked in C++ (NaN, range)
         self.placement = "packed"
         self.c_packed = CPackedVirtualAllocator.create(device.c_device, options)
         self.c_allocator = static_pointer_cast[CAllocator, CPackedVirtualAllocator](
@@ -242,6 +259,13 @@ cdef class VirtualAllocator(Allocator):
         return self.c_virtual.get().steal_before_create()
 
     @property
+    def remap_slack(self):
+        """Packed placement's ``remap_slack`` (a float); ``None`` with chunks placement."""
+        if self.c_packed:
+            return self.c_packed.get().remap_slack()
+        return None
+
+    @property
     def budget(self):
         """The most bytes of chunks held at once, or None."""
         cdef size_t b = (self.c_packed.get().budget() if self.c_packed
@@ -260,7 +284,7 @@ cdef class VirtualAllocator(Allocator):
         ``chunks_stolen``, ``fresh_placements`` (blocks moved to a fresh chunk-aligned
         reservation under memory pressure), ``events_created``, ``multi_stream``,
         ``chunk_size``, ``small_threshold``, ``reservation_size``, ``steal_before_create``,
-        ``budget_bytes``.
+        ``remap_slack``, ``budget_bytes``.
 
         Raises:
             vmalloc.InvalidArgumentError: with ``placement="chunks"``.
@@ -273,6 +297,7 @@ cdef class VirtualAllocator(Allocator):
             "small_threshold": s.small_threshold,
             "reservation_size": s.reservation_size,
             "steal_before_create": s.steal_before_create,
+            "remap_slack": s.remap_slack,
             "budget_bytes": s.budget_bytes,
             "chunks_held": s.chunks_held,
             "peak_chunks_held": s.peak_chunks_held,

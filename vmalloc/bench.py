@@ -239,6 +239,12 @@ def main(argv=None):
     results = run(allocators, sizes, args.pairs, args.python_pairs, args.iterations,
                   args.layers)
     print(json.dumps(results, indent=2) if args.json else format_table(results))
+    if not os.environ.get("OPENBLAS_NUM_THREADS") and not args.json:
+        # NumPy's OpenBLAS threads (started at import) compete for the cores during the C++
+        # loop: on 2 cores they added 20-35 ns per pair (docs/benchmarks.md).
+        print("note: OPENBLAS_NUM_THREADS is not set; NumPy's BLAS threads may inflate the "
+              "C++ timings on a small machine (set it to 1 before starting Python)",
+              file=sys.stderr)
     return 0
 
 

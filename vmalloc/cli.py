@@ -72,6 +72,9 @@ def _add_run_options(p):
                    default=None,
                    help="the virtual allocators reuse free cached chunks before creating new "
                         "ones (default: on for virtual-packed, off for virtual)")
+    p.add_argument("--remap-slack", type=float, default=None, metavar="F",
+                   help="virtual-packed: fraction above the peak of touched chunk slots it may "
+                        "hold so that a repeating step stops remapping (default 0)")
     p.add_argument("--json", action="store_true",
                    help="print a JSON list of results instead of a table")
     p.add_argument("--plot", metavar="FILE.png",
@@ -176,6 +179,7 @@ def _run(sources, args):
                           granularity=args.granularity, chunk_size=args.chunk_size,
                           max_split_size=args.max_split_size, policy=args.policy,
                           steal_before_create=args.steal_before_create,
+                          remap_slack=args.remap_slack,
                           min_capacity=args.min_capacity, max_probes=max_probes,
                           progress=progress)
     return results

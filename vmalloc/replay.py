@@ -238,13 +238,13 @@ def _source(trace, format=None, device=0, before_window="drop", name=None):
 
 
 def make_allocator(kind, device, chunk_size=None, max_split_size=None, policy=None,
-                   steal_before_create=None):
+                   steal_before_create=None, remap_slack=None):
     """Builds the allocator ``kind`` on ``device``.
 
     ``kind`` is ``"caching"`` (:class:`vmalloc.CachingAllocator`, which takes
     ``max_split_size`` and ``policy``), ``"virtual"`` (:class:`vmalloc.VirtualAllocator`,
     which takes ``chunk_size`` and ``steal_before_create``), ``"virtual-packed"`` (the same
-    with ``placement="packed"``),
+    with ``placement="packed"``, which also takes ``remap_slack``),
     or a callable ``kind(device) -> Allocator`` for anything
     else. Options that do not apply to the kind are ignored, so that one set of options
     serves a comparison.
@@ -261,6 +261,8 @@ def make_allocator(kind, device, chunk_size=None, max_split_size=None, policy=No
             options["steal_before_create"] = bool(steal_before_create)
         if kind == "virtual-packed":
             options["placement"] = "packed"
+            if remap_slack is not None:
+                options["remap_slack"] = float(remap_slack)
         return vmalloc.VirtualAllocator(device, **options)
     if kind == "caching":
         if max_split_size is not None:
@@ -272,9 +274,12 @@ def make_allocator(kind, device, chunk_size=None, max_split_size=None, policy=No
         f"unknown allocator {kind!r}; choose from {', '.join(ALLOCATOR_NAMES)}")
 
 
-def _options(kind, chunk_size, max_split_size, policy, steal_before_create=None):
+def _options(kind, chunk_size, max_split_size, policy, steal_before_create=None,
+             remap_slack=None):
     """The allocator options that apply to ``kind``, parsed."""
     options = {}
+    if remap_slack is not None and kind == "virtual-packed":
+        options["remap_slack"] = float(remap_slack)
     if chunk_size is not None and kind in ("virtual", "virtual-packed"):
         options["chunk_size"] = parse_size(chunk_size, "chunk_size")
     if steal_before_create is not None and kind in ("virtual", "virtual-packed"):
@@ -358,7 +363,7 @@ def _passes(source, kind, capacity, granularity, options, label=None):
 
 def replay_once(trace, allocator="virtual", *, capacity=None, granularity=None, chunk_size=None,
                 max_split_size=None, policy=None, steal_before_create=None,
-                timeline_points=2048, progress=False, format=None, device=0,
+                remap_slack=None, timeline_points=2048, progress=False, format=None, device=0,
                 before_window="drop", name=None):
     """Replays ``trace`` through one allocator on a fresh unbacked HostDevice.
 
@@ -372,6 +377,7 @@ def replay_once(trace, allocator="virtual", *, capacity=None, granularity=None, 
         max_split_size, policy: the caching allocator's options.
         steal_before_create: the virtual allocator's option (None: its default for the
             placement; see :class:`vmalloc.VirtualAllocator`).
+        remap_slack: packed placement's option (None: its default, 0).
         timeline_points: resolution of the result's :class:`Timeline` (0: none).
         progress: draw a progress bar on stderr.
         format, device, before_window: how to read a trace file
@@ -387,7 +393,8 @@ def replay_once(trace, allocator="virtual", *, capacity=None, granularity=None, 
         raise InvalidArgumentError("capacity must be positive, or None for unlimited")
     granularity = parse_size(granularity, "granularity", allow_none=True)
     kind_name = allocator if isinstance(allocator, str) else None
-    options = _options(kind_name, chunk_size, max_split_size, policy, steal_before_create)
+    options = _options(kind_name, chunk_size, max_split_size, policy, steal_before_create,
+                       remap_slack)
     label = f"{source.name}: {kind_name or 'allocator'}" if progress else None
     engine, alloc, dev, seconds = _run(source, allocator, capacity, granularity, options,
                                        timeline_points, label)
@@ -440,7 +447,7 @@ def _result(source, kind, engine, allocator, device, seconds, capacity, options)
 
 def min_capacity(trace, allocator="virtual", *, granularity=None, chunk_size=None,
                  max_split_size=None, policy=None, steal_before_create=None,
-                 max_probes=MAX_PROBES, reference=None, format=None, device=0,
+                 remap_slack=None, max_probes=MAX_PROBES, reference=None, format=None, device=0,
                  before_window="drop"):
     """The smallest device capacity, in whole granules, under which ``trace`` runs to the end.
 
@@ -457,7 +464,8 @@ def min_capacity(trace, allocator="virtual", *, granularity=None, chunk_size=Non
     """
     source = _source(trace, format=format, device=device, before_window=before_window)
     kind_name = allocator if isinstance(allocator, str) else None
-    options = _options(kind_name, chunk_size, max_split_size, policy, steal_before_create)
+    options = _options(kind_name, chunk_size, max_split_size, policy, steal_before_create,
+                       remap_slack)
     granularity = parse_size(granularity, "granularity", allow_none=True)
     if max_probes < 1:
         raise InvalidArgumentError(f"max_probes must be at least 1, got {max_probes}")
@@ -506,7 +514,7 @@ def _bisect(source, kind, granularity, options, max_probes, reference, progress=
 
 def replay(trace=None, allocators=ALLOCATOR_KINDS, *, capacity=None, granularity=None,
            chunk_size=None, max_split_size=None, policy=None, steal_before_create=None,
-           min_capacity=True, max_probes=MAX_PROBES, timeline_points=2048, progress=False, format=None,
+           remap_slack=None, min_capacity=True, max_probes=MAX_PROBES, timeline_points=2048, progress=False, format=None,
            device=0, before_window="drop", name=None):
     """Replays one trace through each allocator; returns a list of :class:`ReplayResult`.
 
@@ -530,7 +538,7 @@ def replay(trace=None, allocators=ALLOCATOR_KINDS, *, capacity=None, granularity
         result = replay_once(source, kind, capacity=capacity, granularity=granularity,
                              chunk_size=chunk_size, max_split_size=max_split_size,
                              policy=policy, steal_before_create=steal_before_create,
-                             timeline_points=timeline_points, progress=progress)
+                             remap_slack=remap_slack, timeline_points=timeline_points, progress=progress)
         if min_capacity:
             capacity_bytes, exact, probes, peak_requested = _bisect(
                 source, kind, parse_size(granularity, "granularity", allow_none=True),

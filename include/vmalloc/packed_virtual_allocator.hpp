@@ -60,13 +60,18 @@ struct PackedVirtualAllocatorOptions {
   // Where the chunks for newly touched slots come from after the pool's cache. true: chunks
   // stolen from fully free mapped slots first (those whose frees' work is done: no host
   // wait), new chunks only when none is free or for a slot that was stolen and is needed
-  // again, while the chunks held stay within peak + peak / 16 (peak: the most slots live
-  // blocks touched at once; at most max(1, peak / 64) such chunks per allocation): a pattern
-  // whose live blocks move across more slots than that margin remaps chunks every time.
+  // again, while the chunks held stay within peak + peak * remap_slack (peak: the most slots
+  // live blocks touched at once; at most max(1, peak / 64) such chunks per allocation): a
+  // pattern whose live blocks move across more slots than that margin remaps chunks every time.
   // false: new chunks first, stealing only at the budget or capacity: every slot a pattern
   // touches stays mapped, so a repeated pattern makes no driver call after warm-up; the
   // device needed is the same, more is held when memory is plentiful.
   bool steal_before_create = true;
+  // With steal_before_create: the fraction above the peak of touched slots that may be held
+  // so that a repeating step whose blocks touch more slots over the step than at once stops
+  // remapping (0: always steal, the least held; 1/16 settles typical training steps). In
+  // [0, 1]; InvalidArgument otherwise.
+  double remap_slack = 0.0;
 };
 
 // Detail beyond Stats (VirtualAllocator(placement="packed").packed_stats() in Python).
@@ -75,6 +80,7 @@ struct PackedStats {
   std::size_t small_threshold = 0;
   std::size_t reservation_size = 0;
   bool steal_before_create = true;
+  double remap_slack = 0.0;
   std::size_t budget_bytes = 0;
   std::size_t chunks_held = 0;          // live + free_mapped + in_pool
   std::size_t peak_chunks_held = 0;
@@ -123,6 +129,7 @@ class PackedVirtualAllocator final : public Allocator {
   std::size_t small_threshold() const noexcept { return small_threshold_; }
   std::size_t reservation_size() const noexcept { return reservation_size_; }
   bool steal_before_create() const noexcept { return steal_before_create_; }
+  double remap_slack() const noexcept { return remap_slack_; }
   std::size_t budget() const noexcept { return pool_.budget(); }
 
  private:
@@ -179,6 +186,7 @@ class PackedVirtualAllocator final : public Allocator {
   const std::size_t small_threshold_;
   const std::size_t reservation_size_;
   const bool steal_before_create_;
+  const double remap_slack_;
   mutable std::mutex mutex_;
   PhysicalChunkPool pool_;
   detail::StreamOrder order_;
