@@ -20,11 +20,8 @@ class FlatPtrMap {
 
   // The value stored for `key`, or 0.
   std::uintptr_t find(std::uintptr_t key) const noexcept {
-    for (std::size_t i = slot_of(key);; i = (i + 1) & mask_) {
-      const Entry& e = entries_[i];
-      if (e.key == key) return e.value;
-      if (e.key == 0) return 0;
-    }
+    const std::size_t i = find_slot(key);
+    return i == npos ? 0 : entries_[i].value;
   }
 
   // Makes room for one more key, so that the next insert() cannot throw. May allocate.
