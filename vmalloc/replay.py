@@ -253,22 +253,13 @@ def make_allocator(kind, device, chunk_size=None, max_split_size=None, policy=No
 
     if callable(kind):
         return kind(device)
-    options = {}
+    options = _options(kind, chunk_size, max_split_size, policy, steal_before_create,
+                       remap_slack)
     if kind in ("virtual", "virtual-packed"):
-        if chunk_size is not None:
-            options["chunk_size"] = chunk_size
-        if steal_before_create is not None:
-            options["steal_before_create"] = bool(steal_before_create)
         if kind == "virtual-packed":
             options["placement"] = "packed"
-            if remap_slack is not None:
-                options["remap_slack"] = float(remap_slack)
         return vmalloc.VirtualAllocator(device, **options)
     if kind == "caching":
-        if max_split_size is not None:
-            options["max_split_size"] = max_split_size
-        if policy is not None:
-            options["policy"] = policy
         return vmalloc.CachingAllocator(device, **options)
     raise InvalidArgumentError(
         f"unknown allocator {kind!r}; choose from {', '.join(ALLOCATOR_NAMES)}")
@@ -278,12 +269,13 @@ def _options(kind, chunk_size, max_split_size, policy, steal_before_create=None,
              remap_slack=None):
     """The allocator options that apply to ``kind``, parsed."""
     options = {}
-    if remap_slack is not None and kind == "virtual-packed":
-        options["remap_slack"] = float(remap_slack)
-    if chunk_size is not None and kind in ("virtual", "virtual-packed"):
-        options["chunk_size"] = parse_size(chunk_size, "chunk_size")
-    if steal_before_create is not None and kind in ("virtual", "virtual-packed"):
-        options["steal_before_create"] = bool(steal_before_create)
+    if kind in ("virtual", "virtual-packed"):
+        if chunk_size is not None:
+            options["chunk_size"] = parse_size(chunk_size, "chunk_size")
+        if steal_before_create is not None:
+            options["steal_before_create"] = bool(steal_before_create)
+        if remap_slack is not None and kind == "virtual-packed":
+            options["remap_slack"] = float(remap_slack)
     if kind == "caching":
         if max_split_size is not None:
             options["max_split_size"] = parse_size(max_split_size, "max_split_size")
