@@ -71,21 +71,12 @@ StreamSet::Event& StreamSet::event_locked(event_t event, const char* entry) {
 }
 
 stream_t StreamSet::create_stream(bool non_blocking) {
-  auto worker = std::make_shared<StreamWorker>();
+  auto worker = std::make_shared<StreamWorker>(non_blocking);
   std::vector<std::shared_ptr<StreamWorker>> done;  // released after the lock
   std::lock_guard<std::mutex> lock(mutex_);
   done = prune_retired_locked();
-  const stream_t id = next_handle_;
+  const stream_t id = next_handle_++;
   streams_.emplace(id, std::move(worker));
-  if (non_blocking) {
-    try {
-      non_blocking_.insert(id);
-    } catch (...) {
-      streams_.erase(id);  // out of host memory: nothing changed
-      throw;
-    }
-  }
-  ++next_handle_;
   return id;
 }
 
@@ -99,7 +90,6 @@ void StreamSet::destroy_stream(stream_t stream, const char* entry) {
                       entry, cu_result::invalid_handle);
   worker = stream_locked(stream, entry);
   streams_.erase(stream);
-  non_blocking_.erase(stream);
   // Its queued work still runs (as in CUDA) and the call does not wait for it.
   if (!worker->done(worker->last_enqueued())) retired_.push_back(worker);
   done = prune_retired_locked();
@@ -128,11 +118,11 @@ StreamSet::Ticket StreamSet::enqueue_locked(stream_t stream,
                                             std::vector<StreamDependency> deps) {
   if (stream == 0) {
     for (const auto& [id, other] : streams_)
-      if (id != 0 && non_blocking_.count(id) == 0) {
+      if (id != 0 && !other->non_blocking()) {
         const std::uint64_t seq = other->last_enqueued();
         if (!other->done(seq)) deps.push_back({other, seq});
       }
-  } else if (non_blocking_.count(stream) == 0) {
+  } else if (!worker->non_blocking()) {
     const auto& legacy = streams_.at(0);
     const std::uint64_t seq = legacy->last_enqueued();
     if (!legacy->done(seq)) deps.push_back({legacy, seq});

@@ -16,7 +16,6 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 #include "vmalloc/detail/stream_worker.hpp"
@@ -89,7 +88,6 @@ class StreamSet {
   const std::string device_name_;
   mutable std::mutex mutex_;  // the maps and the fault; never held while waiting for work
   std::unordered_map<stream_t, std::shared_ptr<StreamWorker>> streams_;
-  std::unordered_set<stream_t> non_blocking_;  // streams created CU_STREAM_NON_BLOCKING
   std::unordered_map<event_t, Event> events_;
   std::vector<std::shared_ptr<StreamWorker>> retired_;  // destroyed with work still queued
   std::unordered_map<std::uint64_t, std::shared_ptr<Gate>> holds_;

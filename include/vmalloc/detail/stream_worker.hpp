@@ -30,7 +30,9 @@ class StreamWorker {
   // Runs on the worker thread. Must not throw: errors are the task's own to report.
   using Task = std::function<void()>;
 
-  StreamWorker() = default;
+  // `non_blocking`: created CU_STREAM_NON_BLOCKING, so it has no implicit ordering with the
+  // legacy default stream (StreamSet applies that ordering; the worker only records it).
+  explicit StreamWorker(bool non_blocking = false) : non_blocking_(non_blocking) {}
   // Drains the queue, then joins the thread. Never called from the worker's own thread
   // (no item depends on its own stream).
   ~StreamWorker();
@@ -46,6 +48,7 @@ class StreamWorker {
   // Blocks until item `seq` and everything before it has run.
   void wait(std::uint64_t seq) const;
   void drain() const { wait(last_enqueued()); }
+  bool non_blocking() const noexcept { return non_blocking_; }
 
  private:
   struct Item {
@@ -60,6 +63,7 @@ class StreamWorker {
   std::uint64_t enqueued_ = 0;
   std::uint64_t completed_ = 0;
   bool stopping_ = false;
+  const bool non_blocking_;
   std::thread thread_;
 };
 
