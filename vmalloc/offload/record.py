@@ -1,0 +1,453 @@
+"""Record one PyTorch training iteration as a :class:`~vmalloc.offload.FunctionSequence`.
+
+:func:`record` runs forward, loss, backward and the optimizer step of a model on the **meta
+device** (shapes and dtypes only: no memory, any batch) under a ``TorchDispatchMode`` that sees
+every aten op:
+
+- a *variable* is a tensor **storage** (``t.untyped_storage()``): views and in-place ops share
+  their storage, so they share the variable. Its size is the storage's ``nbytes()`` (the
+  largest seen, for storages that are resized). Parameters, buffers and optimizer state are
+  persistent; inputs, activations, gradients and temporaries are transient (gradients are
+  assumed freed by ``zero_grad(set_to_none=True)`` after the step).
+- a *function* is one aten op that reads or writes storage data. Pure view and metadata ops
+  (``aten.view``, ``aten.t``, ``aten.expand``, ``aten.detach``, ``aten._unsafe_view``, ...: no
+  argument written and every output aliasing an input storage) and allocation-only ops
+  (``aten.empty*``) are not functions; ``ones_like``-style ops do not read their template. ``inputs`` are the storages of the tensor arguments read
+  (mutated arguments of in-place ops are read and written), ``outputs`` the storages of the
+  returned tensors plus the mutated arguments. ``out=`` arguments, and the targets of
+  ``fill_``/``zero_``/``copy_`` that cover their whole storage, are written only.
+- FLOPs come from ``torch.utils.flop_counter.flop_registry`` (the formulas FlopCounterMode
+  uses: matmuls, convolutions and their backward, attention); every other op gets ``0`` FLOPs
+  and a simulator charges it by the bytes it touches.
+
+Given ``inputs_fn(batch)`` instead of fixed inputs, the iteration is recorded at two batch sizes
+(2 and 4 by default); the two recordings must have the same functions and variables, and the
+difference gives each variable's ``per_sample_bytes`` and each function's ``per_sample_flops``,
+so :meth:`FunctionSequence.at_batch` gives the sequence at any batch.
+
+torch is imported when :func:`record` is called, not when this module is imported.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import types
+from typing import Callable, Optional, Sequence
+
+from vmalloc.errors import InvalidArgumentError, VmallocError
+from vmalloc.offload.sequence import FunctionSequence
+
+__all__ = ["record", "RecordingError", "sgd"]
+
+
+class RecordingError(VmallocError, RuntimeError):
+    """The iteration cannot be recorded as one batch-scalable sequence (for example, the
+    recordings at two batch sizes differ in their functions or variables, or a size does not
+    grow linearly with the batch)."""
+
+
+#: Ops that only allocate (their content is undefined): not functions.
+_ALLOC_ONLY = frozenset({
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted",
+})
+#: Ops that use their first argument's shape and dtype only, never its data.
+_SHAPE_ONLY_SELF = frozenset({
+    "ones_like", "zeros_like", "full_like", "rand_like", "randn_like", "randint_like",
+    "new_zeros", "new_ones", "new_full",
+})
+#: In-place ops that overwrite their target without reading it (when it covers its storage).
+_OVERWRITE = frozenset({"fill_", "zero_", "copy_", "normal_", "uniform_", "random_",
+                        "bernoulli_", "exponential_", "resize_"})
+
+
+def sgd(params, lr=0.1, momentum=0.9, weight_decay=0.0):
+    """The default optimizer factory: ``torch.optim.SGD`` with momentum, ``foreach=False`` so
+    every optimizer op is per parameter."""
+    import torch
+
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay,
+                           foreach=False)
+
+
+def _op_base(func):
+    # "aten::add_.Tensor" -> "add_"
+    return func._schema.name.split("::", 1)[-1]
+
+
+class _Trace:
+    """One recorded iteration: ops with storage keys, and the storages seen."""
+
+    def __init__(self):
+        self.ops = []          # (name, in_keys, out_keys, flops)
+        self.storages = {}     # key -> storage object (held so keys are never reused)
+        self.sizes = {}        # key -> max nbytes seen
+        self.first_name = {}   # key -> name from the op that first wrote it
+
+
+def _make_mode(trace, device_type, flop_registry):
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    def key_of(t):
+        if not isinstance(t, torch.Tensor) or t.device.type != device_type:
+            return None
+        if t.layout != torch.strided:
+            return None
+        s = t.untyped_storage()
+        k = s._cdata
+        if k not in trace.storages:
+            trace.storages[k] = s
+            trace.sizes[k] = s.nbytes()
+        else:
+            n = s.nbytes()
+            if n > trace.sizes[k]:
+                trace.sizes[k] = n
+        return k
+
+    def tensors(v):
+        if isinstance(v, torch.Tensor):
+            return [v]
+        if isinstance(v, (list, tuple)):
+            return [x for x in v if isinstance(x, torch.Tensor)]
+        return []
+
+    def covers_storage(t):
+        return (t.is_contiguous() and t.storage_offset() == 0
+                and t.numel() * t.element_size() == t.untyped_storage().nbytes())
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            base = _op_base(func)
+            if base in _ALLOC_ONLY:
+                return out
+            schema = func._schema
+            reads, writes = [], []
+            npos = len(args)
+            for i, a in enumerate(schema.arguments):
+                if i < npos and not a.kwarg_only:
+                    v = args[i]
+                elif a.name in kwargs:
+                    v = kwargs[a.name]
+                else:
+                    continue
+                ts = tensors(v)
+                if not ts or (i == 0 and base in _SHAPE_ONLY_SELF):
+                    continue
+                written = a.alias_info is not None and a.alias_info.is_write
+                for t in ts:
+                    k = key_of(t)
+                    if k is None:
+                        continue
+                    if written:
+                        writes.append(k)
+                        if not ((a.is_out or base in _OVERWRITE) and covers_storage(t)):
+                            reads.append(k)
+                    else:
+                        reads.append(k)
+            read_set = set(reads)
+            flat_out, _ = tree_flatten(out)
+            out_keys = []
+            for t in flat_out:
+                k = key_of(t)
+                if k is not None:
+                    out_keys.append(k)
+            if not writes and all(k in read_set for k in out_keys):
+                return out  # a view or metadata op: no data read or written
+            for k in out_keys:
+                if k not in writes:
+                    writes.append(k)
+            flops = 0
+            formula = flop_registry.get(func._overloadpacket)
+            if formula is not None:
+                flops = int(formula(*args, **kwargs, out_val=out))
+            name = str(func)
+            index = len(trace.ops)
+            for j, k in enumerate(writes):
+                trace.first_name.setdefault(k, f"{name}#{index}:{j}")
+            trace.ops.append((name, tuple(dict.fromkeys(reads)), tuple(dict.fromkeys(writes)),
+                              flops))
+            return out
+
+    return Mode()
+
+
+def _split_inputs(example):
+    """``example`` -> (model args tuple, target)."""
+    import torch
+
+    if isinstance(example, torch.Tensor):
+        return (example,), None
+    if isinstance(example, tuple) and len(example) == 2:
+        args, target = example
+        if isinstance(args, torch.Tensor):
+            args = (args,)
+        if isinstance(args, (tuple, list)):
+            return tuple(args), target
+    raise InvalidArgumentError(
+        "example inputs must be a tensor or a pair (model args, target), where model args is a "
+        f"tensor or a tuple of tensors; got {type(example).__name__}")
+
+
+def _to_device(obj, device):
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.device == device else obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to_device(x, device) for x in obj)
+    return obj
+
+
+class _Session:
+    """A model on the meta device with its optimizer, warmed up by one unrecorded step."""
+
+    def __init__(self, model, loss_fn, optimizer):
+        import torch
+
+        self.device = torch.device("meta")
+        on_meta = all(t.device.type == "meta" for t in
+                      list(model.parameters()) + list(model.buffers()))
+        if not on_meta:
+            model = copy.deepcopy(model).to(self.device)
+        model.train()
+        self.model = model
+        self.loss_fn = loss_fn
+        if optimizer == "sgd":
+            optimizer = sgd
+        if optimizer is None:
+            self.optimizer = None
+        elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+            self.optimizer = optimizer(list(model.parameters()))
+        else:
+            raise InvalidArgumentError(
+                "optimizer must be 'sgd', None, or a factory params -> torch.optim.Optimizer "
+                f"(it is created on the meta-device copy of the model), got {optimizer!r}")
+        self.names = {}
+        for n, p in model.named_parameters():
+            self.names.setdefault(p.untyped_storage()._cdata, n)
+        for n, b in model.named_buffers():
+            self.names.setdefault(b.untyped_storage()._cdata, n)
+        self.warm = False
+
+    def _iteration(self, args, target):
+        model = self.model
+        out = model(*args)
+        if self.loss_fn is None:
+            loss = out.sum() if not isinstance(out, (tuple, list)) else out[0].sum()
+        else:
+            loss = self.loss_fn(out, target)
+        loss.backward()
+        if self.optimizer is not None:
+            self.optimizer.step()
+
+    def _persistent(self):
+        import torch
+
+        keys = {}
+        keys.update(self.names)
+        if self.optimizer is not None:
+            pname = {id(p): self.names.get(p.untyped_storage()._cdata, "param")
+                     for p in self.model.parameters()}
+            for p, state in self.optimizer.state.items():
+                for sname, v in state.items():
+                    if isinstance(v, torch.Tensor) and v.device.type == "meta" and v.dim() > 0:
+                        keys.setdefault(v.untyped_storage()._cdata,
+                                        f"{sname}:{pname.get(id(p), 'param')}")
+        return keys
+
+    def _zero_grad(self):
+        for p in self.model.parameters():
+            p.grad = None
+
+    def trace(self, example):
+        import torch
+        from torch.utils.flop_counter import flop_registry
+
+        args, target = _split_inputs(example)
+        args = _to_device(args, self.device)
+        target = _to_device(target, self.device)
+        if not self.warm:
+            # One unrecorded step creates the optimizer state (momentum buffers), so the
+            # recorded step is a steady-state one and the state is persistent.
+            self._iteration(args, target)
+            self._zero_grad()
+            self.warm = True
+        trace = _Trace()
+        input_names = {}
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                input_names.setdefault(a.untyped_storage()._cdata, f"input{i}")
+        for i, t in enumerate([target] if isinstance(target, torch.Tensor) else
+                              [t for t in (target or ()) if isinstance(t, torch.Tensor)]):
+            input_names.setdefault(t.untyped_storage()._cdata, "target" if i == 0 else f"target{i}")
+        with _make_mode(trace, "meta", flop_registry):
+            self._iteration(args, target)
+        grads = {}
+        for p in self.model.parameters():
+            if p.grad is not None:
+                grads.setdefault(p.grad.untyped_storage()._cdata,
+                                 "grad:" + self.names.get(p.untyped_storage()._cdata, "param"))
+        persistent = self._persistent()
+        self._zero_grad()
+        return trace, persistent, grads, input_names
+
+
+def _build(trace, persistent, grads, input_names):
+    """-> (variables [(nbytes, persistent, name)], functions [(name, ins, outs, flops)])."""
+    index = {}
+    variables = []
+
+    def vid(k):
+        i = index.get(k)
+        if i is None:
+            i = index[k] = len(variables)
+            name = (persistent.get(k) or grads.get(k) or input_names.get(k)
+                    or trace.first_name.get(k) or f"v{i}")
+            variables.append((trace.sizes[k], k in persistent, name))
+        return i
+
+    functions = []
+    for name, ins, outs, flops in trace.ops:
+        functions.append((name, tuple(vid(k) for k in ins), tuple(vid(k) for k in outs), flops))
+    return variables, functions
+
+
+def record(model, example_inputs, loss_fn: Optional[Callable] = None, optimizer="sgd",
+           name: Optional[str] = None, batch: Optional[int] = None,
+           batches: Sequence[int] = (2, 4), meta: Optional[dict] = None) -> FunctionSequence:
+    """Records one training iteration (forward, loss, backward, optimizer step) of ``model``.
+
+    Args:
+        model: a ``torch.nn.Module``. Its parameters and buffers are used on the meta device:
+            a module already on meta is used (and trained) in place, any other is deep-copied
+            to meta first. Build big models under ``with torch.device("meta"):``.
+        example_inputs: a tensor (the model's one argument), a pair ``(args, target)`` (``args``
+            a tensor or tuple of tensors passed as ``model(*args)``, ``target`` passed to
+            ``loss_fn``), or a callable ``inputs_fn(batch)`` returning either; with a callable
+            the iteration is recorded at ``batches`` and the sequence scales with the batch.
+            Tensors not on meta are moved there.
+        loss_fn: ``loss_fn(output, target) -> scalar tensor``; None: ``output.sum()``.
+        optimizer: ``"sgd"`` (SGD with momentum 0.9, ``foreach=False``: see :func:`sgd`), a
+            factory ``params -> torch.optim.Optimizer``, or None (no step). One unrecorded
+            warm-up step creates its state before recording.
+        name: the sequence's name (default: the model's class name).
+        batch: the batch size the sequence is expressed at. With fixed inputs it is just
+            stored (None: the sequence cannot be scaled); with ``inputs_fn`` it defaults to
+            ``batches[0]``.
+        batches: the two batch sizes recorded with ``inputs_fn``.
+        meta: extra entries for ``seq.meta``.
+
+    Raises:
+        RecordingError: the recordings at the two batch sizes differ in structure, or a
+            variable's size or a function's FLOPs do not grow by a whole non-negative amount
+            per sample.
+        InvalidArgumentError: malformed arguments.
+    """
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise InvalidArgumentError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise InvalidArgumentError(f"loss_fn must be callable or None, got {loss_fn!r}")
+    session = _Session(model, loss_fn, optimizer)
+    seq_name = name or type(model).__name__
+    info = {"recorded_with": f"torch {torch.__version__.split('+')[0]}",
+            "optimizer": "none" if optimizer is None else
+            ("SGD(momentum=0.9, foreach=False)" if optimizer == "sgd"
+             else type(session.optimizer).__name__)}
+    if callable(example_inputs) and not isinstance(example_inputs, torch.Tensor):
+        b1, b2 = _check_batches(batches)
+        if batch is None:
+            batch = b1
+        elif isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise InvalidArgumentError(f"batch must be a positive int, got {batch!r}")
+        v1, f1 = _build(*session.trace(example_inputs(b1)))
+        v2, f2 = _build(*session.trace(example_inputs(b2)))
+        seq = _scaled(seq_name, v1, f1, v2, f2, b1, b2, batch)
+        info["recorded_at_batches"] = [b1, b2]
+    else:
+        if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int)
+                                  or batch < 1):
+            raise InvalidArgumentError(f"batch must be a positive int or None, got {batch!r}")
+        variables, functions = _build(*session.trace(example_inputs))
+        seq = FunctionSequence(seq_name, batch)
+        for n, p, vname in variables:
+            seq.add_variable(n, persistent=p, name=vname)
+        for fname, ins, outs, flops in functions:
+            seq.add_function(ins, outs, flops=flops, name=fname)
+    seq.meta.update(info)
+    if meta:
+        seq.meta.update(meta)
+    return seq
+
+
+def _check_batches(batches):
+    try:
+        b1, b2 = batches
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"batches must be two batch sizes, got {batches!r}") from None
+    for b in (b1, b2):
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise InvalidArgumentError(f"batches must be positive ints, got {batches!r}")
+    if b1 >= b2:
+        raise InvalidArgumentError(f"batches must be increasing, got {batches!r}")
+    return b1, b2
+
+
+def _scaled(name, v1, f1, v2, f2, b1, b2, batch):
+    if len(f1) != len(f2) or len(v1) != len(v2):
+        raise RecordingError(
+            f"{name}: the iteration differs between batch {b1} and batch {b2} "
+            f"({len(f1)} vs {len(f2)} functions, {len(v1)} vs {len(v2)} variables); it cannot "
+            "be scaled with the batch (record it at one batch with fixed inputs instead)")
+    for i, (a, b) in enumerate(zip(f1, f2)):
+        if a[:3] != b[:3]:
+            raise RecordingError(
+                f"{name}: function {i} differs between batch {b1} and batch {b2}: "
+                f"{a[0]} {a[1]}->{a[2]} vs {b[0]} {b[1]}->{b[2]}")
+    db = b2 - b1
+    seq = FunctionSequence(name, batch)
+    for i, ((n1, p1, name1), (n2, p2, _)) in enumerate(zip(v1, v2)):
+        if p1 != p2:
+            raise RecordingError(f"{name}: variable {i} ({name1}) is persistent at one batch "
+                                 "and transient at the other")
+        ps, rem = divmod(n2 - n1, db)
+        if rem or ps < 0:
+            raise RecordingError(
+                f"{name}: variable {i} ({name1}) has {n1} bytes at batch {b1} and {n2} at batch "
+                f"{b2}: not a whole non-negative number of bytes per sample")
+        if p1 and ps:
+            raise RecordingError(f"{name}: persistent variable {i} ({name1}) grows with the "
+                                 "batch")
+        n = n1 + ps * (batch - b1)
+        if n < 0:
+            raise RecordingError(f"{name}: variable {i} ({name1}) would have {n} bytes at "
+                                 f"batch {batch}")
+        seq.add_variable(n, persistent=p1, name=name1, per_sample_bytes=ps)
+    for i, (a, b) in enumerate(zip(f1, f2)):
+        fl1, fl2 = a[3], b[3]
+        if fl2 < fl1:
+            raise RecordingError(f"{name}: function {i} ({a[0]}) has fewer FLOPs at batch {b2} "
+                                 f"than at batch {b1}")
+        psf = (fl2 - fl1) / db
+        flops = fl1 + psf * (batch - b1)
+        if flops < 0:
+            raise RecordingError(f"{name}: function {i} ({a[0]}) would have {flops} FLOPs at "
+                                 f"batch {batch}")
+        seq.add_function(a[1], a[2], flops=flops, name=a[0], per_sample_flops=psf)
+    return seq
+
+
+class _CallableModule(types.ModuleType):
+    """``vmalloc.offload.record`` is both this module and the function: once the submodule is
+    imported, the package attribute ``record`` is the module, so make the module callable."""
+
+    def __call__(self, *args, **kwargs):
+        return record(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
