@@ -1,0 +1,204 @@
+"""Models of GPUs for the out-of-core simulator (:func:`vmalloc.offload.simulate`).
+
+Each :class:`GPU` holds the few constants the simulator needs: device memory, the compute
+peak and efficiency used for training, HBM bandwidth, the host<->device link bandwidth in
+each direction alone and with both directions busy, and a per-function overhead. Every
+figure names its source (``sources``); the published figures live in
+``/work/shared/reference/numbers.md`` and ``offload.md`` of the project and are repeated in
+``docs/simulating.rst``.
+
+Calibration (``v100-16gb``): the paper's in-core baseline (Hayakawa & Narihira, Table 1:
+336 / 492 / 581 images/s for ResNet-50 at batch 64 / 128 / 190) is almost exactly linear in
+the batch: 1.085 ms per image plus a fixed 0.121 s per iteration. The per-image slope fixes
+``compute_efficiency`` (the fraction of ``peak_flops`` a training kernel reaches, for the
+FLOPs of the shipped ResNet-50 sequence), the intercept fixes ``function_overhead_seconds``
+(the framework's cost per function: nnabla's per-function Python/C++ dispatch, far above a
+bare kernel launch). See :func:`calibrate` for the fit; the other GPUs reuse the V100's
+efficiency and overhead (an assumption, stated in the docs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Dict, Tuple
+
+from vmalloc.errors import InvalidArgumentError
+
+__all__ = ["GPU", "GPUS", "get_gpu", "calibrate", "PAPER_IN_CORE"]
+
+GB = 1e9
+
+#: The paper's in-core baseline, ResNet-50 on V100 16 GB (Table 1): batch -> images/s.
+PAPER_IN_CORE = {64: 336.0, 128: 492.0, 190: 581.0}
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One GPU as the simulator sees it. Bandwidths in bytes/s, FLOP rates in FLOP/s."""
+
+    name: str
+    memory_bytes: int
+    #: Peak FLOP rate of the arithmetic a training step uses (see ``precision``).
+    peak_flops: float
+    #: Fraction of ``peak_flops`` training kernels reach (calibrated on the V100).
+    compute_efficiency: float
+    #: Device memory (HBM) bandwidth: memory-bound functions run at bytes touched / this.
+    hbm_bandwidth: float
+    #: Host-to-device copy bandwidth with only that direction busy.
+    h2d_bandwidth: float
+    #: Device-to-host copy bandwidth with only that direction busy.
+    d2h_bandwidth: float
+    #: Each direction's bandwidth while both copy engines are busy.
+    bidirectional_bandwidth: float
+    #: Fixed cost per function (kernel launches and the framework's dispatch), seconds.
+    function_overhead_seconds: float
+    link: str = ""
+    precision: str = ""
+    sources: Tuple[str, ...] = field(default_factory=tuple)
+
+    def compute_seconds(self, flops, nbytes):
+        """The model's time for one function of ``flops`` touching ``nbytes``:
+        ``max(flops / (peak * efficiency), nbytes / hbm) + overhead``."""
+        t = 0.0
+        if flops:
+            t = flops / (self.peak_flops * self.compute_efficiency)
+        if nbytes:
+            t = max(t, nbytes / self.hbm_bandwidth)
+        return t + self.function_overhead_seconds
+
+    def with_(self, **changes) -> "GPU":
+        """A copy with some constants changed (e.g. ``h2d_bandwidth=math.inf``)."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["sources"] = list(self.sources)
+        for k, v in d.items():
+            if isinstance(v, float) and math.isinf(v):
+                d[k] = "inf"
+        return d
+
+
+# Calibrated on the paper's in-core row with the shipped resnet50 sequence (see calibrate()):
+#   slope 1.0853 ms/image, intercept 0.1211 s/iteration (least squares over the three points).
+V100_EFFICIENCY = 0.452
+V100_OVERHEAD = 185e-6
+
+_V100_SOURCES = (
+    "memory 16 GB, NVLink 2 to POWER9: Hayakawa & Narihira (seed paper), setup",
+    "peak 125 TFLOP/s mixed-precision tensor cores, HBM2 900 GB/s: NVIDIA V100 datasheet "
+    "(the paper's in-core ResNet-50 rate, 22 TFLOP/s of training FLOPs at batch 190, exceeds "
+    "the 15.7 TFLOP/s FP32 peak, so its nnabla run used tensor cores)",
+    "link 45.9 GB/s per direction: POWER9 NVLink 2 measured with 3 GPUs per CPU (2 bricks, "
+    "2x25 GB/s); the paper quotes 2x50 GB/s (offload.md, NextPlatform chart)",
+    "efficiency and per-function overhead: fitted to the paper's Table 1 in-core row "
+    "336/492/581 img/s at batch 64/128/190 (vmalloc.offload.gpus.calibrate)",
+)
+
+GPUS: Dict[str, GPU] = {
+    "v100-16gb": GPU(
+        name="v100-16gb",
+        memory_bytes=16 * 2**30,
+        peak_flops=125e12,
+        compute_efficiency=V100_EFFICIENCY,
+        hbm_bandwidth=900 * GB,
+        h2d_bandwidth=45.9 * GB,
+        d2h_bandwidth=45.9 * GB,
+        bidirectional_bandwidth=45.9 * GB,   # NVLink: each direction has its own lanes
+        function_overhead_seconds=V100_OVERHEAD,
+        link="NVLink 2 to POWER9 (2 bricks)",
+        precision="mixed (tensor cores)",
+        sources=_V100_SOURCES,
+    ),
+    "a100-40gb": GPU(
+        name="a100-40gb",
+        memory_bytes=40 * 2**30,
+        peak_flops=312e12,
+        compute_efficiency=V100_EFFICIENCY,
+        hbm_bandwidth=1555 * GB,
+        h2d_bandwidth=25 * GB,
+        d2h_bandwidth=25 * GB,
+        bidirectional_bandwidth=25 * GB * 52.8 / 55.2,
+        function_overhead_seconds=V100_OVERHEAD,
+        link="PCIe 4 x16",
+        precision="mixed (tensor cores)",
+        sources=(
+            "peak 312 TFLOP/s BF16/FP16 tensor, HBM2 1555 GB/s: NVIDIA A100 datasheet",
+            "PCIe 4 x16 ~25 GB/s: nvbandwidth issue 42 (offload.md)",
+            "both directions at once: the H800's ratio 52.8/55.2 applied (numbers.md); "
+            "no A100 figure found",
+            "efficiency and overhead: the V100's (assumption)",
+        ),
+    ),
+    "a100-80gb": GPU(
+        name="a100-80gb",
+        memory_bytes=80 * 2**30,
+        peak_flops=312e12,
+        compute_efficiency=V100_EFFICIENCY,
+        hbm_bandwidth=2039 * GB,
+        h2d_bandwidth=25 * GB,
+        d2h_bandwidth=25 * GB,
+        bidirectional_bandwidth=25 * GB * 52.8 / 55.2,
+        function_overhead_seconds=V100_OVERHEAD,
+        link="PCIe 4 x16",
+        precision="mixed (tensor cores)",
+        sources=(
+            "peak 312 TFLOP/s BF16/FP16 tensor, HBM2e 2039 GB/s: NVIDIA A100 datasheet",
+            "PCIe 4 x16 ~25 GB/s: nvbandwidth issue 42 (offload.md)",
+            "both directions at once: the H800's ratio 52.8/55.2 applied (numbers.md)",
+            "efficiency and overhead: the V100's (assumption)",
+        ),
+    ),
+    "h100-80gb": GPU(
+        name="h100-80gb",
+        memory_bytes=80 * 2**30,
+        peak_flops=989e12,
+        compute_efficiency=V100_EFFICIENCY,
+        hbm_bandwidth=3350 * GB,
+        h2d_bandwidth=55.3 * GB,
+        d2h_bandwidth=55.1 * GB,
+        bidirectional_bandwidth=52.8 * GB,
+        function_overhead_seconds=V100_OVERHEAD,
+        link="PCIe 5 x16",
+        precision="mixed (tensor cores)",
+        sources=(
+            "peak 989 TFLOP/s BF16/FP16 dense tensor, HBM3 3.35 TB/s: NVIDIA H100 datasheet "
+            "(numbers.md)",
+            "PCIe 5 x16 copy engines: H2D 55.3, D2H 55.1, both at once 52.8 GB/s each "
+            "(nvbandwidth v0.2 on H800, numbers.md)",
+            "efficiency and overhead: the V100's (assumption)",
+        ),
+    ),
+}
+
+
+def get_gpu(gpu) -> GPU:
+    """The :class:`GPU` named ``gpu`` (a key of :data:`GPUS`), or ``gpu`` itself if it is one.
+    Raises InvalidArgumentError listing the names for anything else."""
+    if isinstance(gpu, GPU):
+        return gpu
+    if isinstance(gpu, str) and gpu.lower() in GPUS:
+        return GPUS[gpu.lower()]
+    raise InvalidArgumentError(f"unknown GPU {gpu!r}; choose from {', '.join(GPUS)}")
+
+
+def calibrate(seq_at_batch, points=None, peak_flops=125e12, hbm_bandwidth=900 * GB):
+    """Fits ``(compute_efficiency, function_overhead_seconds)`` so that the in-core model
+    time of ``seq_at_batch(b)`` matches ``points`` ({batch: images/s}, default the paper's
+    V100 row). Least squares on iteration seconds = a + b * (FLOP-bound seconds at full peak)
+    where ``a = overhead * n_functions``; memory-bound functions are taken at full peak for
+    the fit (a small term for ResNet-50). Returns (efficiency, overhead, n_functions)."""
+    points = dict(points or PAPER_IN_CORE)
+    xs, ys, n = [], [], None
+    for b, ips in sorted(points.items()):
+        seq = seq_at_batch(b)
+        n = len(seq.functions)
+        xs.append(sum((f.flops or 0.0) for f in seq.functions) / peak_flops)
+        ys.append(b / ips)
+    k = len(xs)
+    mx, my = sum(xs) / k, sum(ys) / k
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    intercept = my - slope * mx
+    return 1.0 / slope, intercept / n, n

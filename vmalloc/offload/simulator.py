@@ -1,0 +1,443 @@
+"""Simulate one steady-state training iteration under a swap schedule.
+
+:func:`simulate` is a discrete-event model of one iteration of a
+:class:`~vmalloc.offload.FunctionSequence` run under a :class:`~vmalloc.offload.Schedule` on a
+:class:`~vmalloc.offload.GPU`. Time is modelled; memory is not: every allocation, free,
+swap-out release and swap-in acquisition goes through a real vmalloc allocator on an unbacked
+:class:`vmalloc.HostDevice` of the GPU's capacity, so fragmentation and out-of-memory are the
+allocator's own.
+
+The model (``docs/simulating.rst`` has it in full):
+
+- **Compute stream.** Functions run in order. Function ``i`` takes its measured ``seconds`` if
+  the sequence has them, else ``max(flops / (peak * efficiency), bytes touched / HBM
+  bandwidth) + overhead`` (:meth:`GPU.compute_seconds`).
+- **Host.** The host issues each step's actions at its *issue time* ``h``: function ``i``'s
+  actions are issued at the time function ``i - 1`` started (the host runs one function ahead of
+  the device), or later if a ``wait_swap_out`` made the host wait for a copy.
+- **Copy engines.** Two FIFO engines, host-to-device and device-to-host. A swap-in starts at
+  ``max(issue time, engine free, the end of the variable's own last swap-out)``; a swap-out
+  starts at ``max(end of its function, engine free)``. A copy moves at the one-direction
+  bandwidth, or at the both-at-once figure while the other engine has a copy in flight (copies
+  already placed are not slowed again by later ones: a one-sided approximation).
+- **Waits.** ``wait_swap_in`` delays the function's start until those copies end;
+  ``wait_swap_out`` moves the host's issue time to the copies' end (and releases their memory
+  then). Function ``i`` starts at ``max(end of function i-1, issue time, swap-ins waited)``.
+- **Iteration.** It ends when the compute stream, both engines and ``end_wait_swap_out`` are
+  done (the runtime synchronises the device between iterations). The iteration runs twice on the
+  same allocator (a warm cache, as in a training loop) and the second is reported; times are the
+  same in both.
+
+Memory operations happen at the host's issue time (stream-ordered allocation: memory freed on
+the host may be reused by work issued later on the same stream).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+import vmalloc
+from vmalloc.errors import InvalidArgumentError
+from vmalloc.offload.gpus import get_gpu
+from vmalloc.sizes import parse_size
+
+__all__ = ["simulate", "SimulationResult", "ALLOCATORS", "in_core_seconds", "function_seconds"]
+
+ALLOCATORS = ("virtual", "caching", "virtual-packed")
+DEFAULT_CHUNK = 2 << 20
+GRANULARITY = 2 << 20
+
+
+@dataclass
+class SimulationResult:
+    """What :func:`simulate` measured for one iteration. Times in seconds, sizes in bytes.
+    ``iteration_seconds``, ``images_per_second`` and ``relative_speed`` are None after an
+    out-of-memory."""
+
+    model: str
+    batch: Optional[int]
+    gpu: str
+    scheduler: str
+    allocator: str
+    chunk_size: Optional[int]
+    params: dict
+    iteration_seconds: Optional[float]
+    images_per_second: Optional[float]
+    in_core_seconds: float
+    in_core_images_per_second: Optional[float]
+    relative_speed: Optional[float]
+    compute_seconds: float
+    stall_seconds: Dict[str, float]
+    bound_seconds: float
+    bound_ratio: Optional[float]
+    peak_requested_bytes: int
+    peak_reserved_bytes: int
+    budget_bytes: int
+    capacity_bytes: int
+    swapped_out_bytes: int
+    swapped_in_bytes: int
+    h2d_seconds: float
+    d2h_seconds: float
+    out_of_memory: bool
+    oom_function: Optional[dict] = None
+    oom_message: Optional[str] = None
+    timeline: Optional[dict] = field(default=None, repr=False)
+
+    def to_dict(self, timeline: bool = False) -> dict:
+        d = asdict(self)
+        if not timeline:
+            d.pop("timeline")
+        return d
+
+    def summary(self) -> str:
+        from vmalloc.sizes import format_size
+        head = (f"{self.model or 'sequence'} batch {self.batch} on {self.gpu}, "
+                f"{self.scheduler} + {self.allocator}")
+        if self.out_of_memory:
+            f = self.oom_function or {}
+            return (f"{head}: OUT OF MEMORY at function {f.get('index')} ({f.get('name')}); "
+                    f"peak reserved {format_size(self.peak_reserved_bytes)} of "
+                    f"{format_size(self.capacity_bytes)}")
+        return (f"{head}: {self.images_per_second:.1f} images/s "
+                f"({self.relative_speed:.0%} of in-core {self.in_core_images_per_second:.1f}), "
+                f"iteration {self.iteration_seconds * 1e3:.1f} ms "
+                f"(bound {self.bound_seconds * 1e3:.1f} ms, x{self.bound_ratio:.3f}); "
+                f"peak requested {format_size(self.peak_requested_bytes)}, reserved "
+                f"{format_size(self.peak_reserved_bytes)}, budget {format_size(self.budget_bytes)}; "
+                f"swapped out {format_size(self.swapped_out_bytes)}, in "
+                f"{format_size(self.swapped_in_bytes)}")
+
+
+def function_seconds(seq, gpu) -> List[float]:
+    """The model's duration of each function of ``seq`` on ``gpu``."""
+    gpu = get_gpu(gpu)
+    out = []
+    var = seq.variables
+    for f in seq.functions:
+        if f.seconds is not None:
+            out.append(f.seconds)
+        else:
+            out.append(gpu.compute_seconds(f.flops, sum(var[v].nbytes for v in f.uses)))
+    return out
+
+
+def in_core_seconds(seq, gpu) -> float:
+    """Compute-only iteration time: every function back to back, no swaps, memory unlimited."""
+    return math.fsum(function_seconds(seq, gpu))
+
+
+class _Engine:
+    """A FIFO copy engine: busy intervals in order."""
+
+    def __init__(self, bandwidth, both):
+        self.bw = bandwidth
+        self.both = both
+        self.starts: List[float] = []
+        self.ends: List[float] = []
+        self.free_at = 0.0
+        self.busy = 0.0
+
+    def _busy_at(self, t):
+        """(busy, next change) of this engine at time t."""
+        i = bisect.bisect_right(self.starts, t) - 1
+        if i >= 0 and t < self.ends[i]:
+            return True, self.ends[i]
+        nxt = self.starts[i + 1] if i + 1 < len(self.starts) else math.inf
+        return False, nxt
+
+    def copy(self, ready, nbytes, other):
+        """Places a copy of ``nbytes`` that may start at ``ready``; returns (start, end)."""
+        start = max(ready, self.free_at)
+        if nbytes <= 0 or math.isinf(self.bw):
+            end = start
+        elif self.both >= self.bw or not other.starts:
+            end = start + nbytes / self.bw
+        else:
+            t, left = start, float(nbytes)
+            while True:
+                busy, change = other._busy_at(t)
+                rate = self.both if busy else self.bw
+                if math.isinf(rate):
+                    break
+                dt = left / rate
+                if t + dt <= change:
+                    t += dt
+                    break
+                left -= (change - t) * rate
+                t = change
+            end = t
+        self.starts.append(start)
+        self.ends.append(end)
+        self.free_at = end
+        self.busy += end - start
+        return start, end
+
+
+class _OOM(Exception):
+    pass
+
+
+def _make_allocator(kind, device, chunk_size, steal=True):
+    if kind == "virtual":
+        return vmalloc.VirtualAllocator(device, chunk_size=chunk_size, steal_before_create=steal)
+    if kind == "virtual-packed":
+        return vmalloc.VirtualAllocator(device, placement="packed", chunk_size=chunk_size)
+    if kind == "caching":
+        return vmalloc.CachingAllocator(device)
+    raise InvalidArgumentError(f"unknown allocator {kind!r}; choose from {', '.join(ALLOCATORS)}")
+
+
+class _Memory:
+    """Variables' device memory through a real allocator; samples for the timeline."""
+
+    def __init__(self, alloc, seq, stable, record):
+        self.alloc = alloc
+        self.seq = seq
+        self.ptr: Dict[int, int] = {}
+        self.unmapped: Dict[int, int] = {}   # pointer-stable swap-out (unmap_backing)
+        self.stable = stable
+        self.samples = [] if record else None
+        self.where = None  # (index, name) for OOM reports
+
+    def _sample(self, t):
+        if self.samples is not None:
+            s = self.alloc.stats()
+            self.samples.append((t, s.requested_bytes, s.reserved_bytes))
+
+    def acquire(self, v, t):
+        n = max(1, self.seq.variables[v].nbytes)
+        try:
+            if self.stable and v in self.unmapped:
+                p = self.unmapped.pop(v)
+                self.alloc.map_backing(p)
+                self.ptr[v] = p
+            else:
+                self.ptr[v] = self.alloc.allocate(n)
+        except vmalloc.OutOfMemoryError as e:
+            raise _OOM(str(e)) from None
+        self._sample(t)
+
+    def release(self, v, t, swap=False):
+        p = self.ptr.pop(v, None)
+        if p is None:
+            return
+        if swap and self.stable:
+            self.alloc.unmap_backing(p)
+            self.unmapped[v] = p
+        else:
+            self.alloc.deallocate(p)
+        self._sample(t)
+
+
+def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_size=None,
+             capacity=None, timeline=False, iterations=2,
+             steal_before_create=True) -> SimulationResult:
+    """Simulates one steady-state iteration of ``seq`` under ``schedule`` on ``gpu``.
+
+    Args:
+        seq: a :class:`~vmalloc.offload.FunctionSequence`.
+        schedule: a :class:`~vmalloc.offload.Schedule` (None: in-core, everything allocated at
+            first use and freed after last use, persistent variables resident).
+        gpu: a :class:`~vmalloc.offload.GPU` or a name in :data:`~vmalloc.offload.GPUS`.
+        allocator: ``"virtual"`` (chunk placement), ``"virtual-packed"`` or ``"caching"``
+            (best-fit, PyTorch's policy).
+        chunk_size: the virtual allocator's physical chunk (default 2 MiB; the paper used 40 MB),
+            rounded up to the device's 2 MiB granularity.
+        capacity: device bytes (default the GPU's memory).
+        steal_before_create: the chunk-placement virtual allocator reuses its free cached chunks
+            before creating new ones (default True here, so that its reserved bytes show what
+            the schedule needs rather than growing lazily to the capacity).
+        timeline: keep per-event intervals and memory samples (for :mod:`~vmalloc.offload.timeline`).
+        iterations: iterations run on the same allocator; the last is reported (default 2).
+
+    Out-of-memory is reported in the result (``out_of_memory``, ``oom_function``,
+    ``oom_message`` with the allocator's state), not raised.
+    """
+    gpu = get_gpu(gpu)
+    if allocator not in ALLOCATORS:
+        raise InvalidArgumentError(
+            f"unknown allocator {allocator!r}; choose from {', '.join(ALLOCATORS)}")
+    if schedule is None:
+        schedule = _in_core_schedule(seq)
+    if len(schedule.steps) != len(seq.functions):
+        raise InvalidArgumentError(
+            f"the schedule has {len(schedule.steps)} steps for {len(seq.functions)} functions")
+    chunk = None
+    if allocator != "caching":
+        chunk = DEFAULT_CHUNK if chunk_size is None else parse_size(chunk_size, "chunk_size")
+        chunk = max(GRANULARITY, -(-chunk // GRANULARITY) * GRANULARITY)   # "40MB" -> 40 MiB
+    cap = gpu.memory_bytes if capacity is None else parse_size(capacity, "capacity")
+    if not isinstance(iterations, int) or iterations < 1:
+        raise InvalidArgumentError(f"iterations must be a positive int, got {iterations!r}")
+
+    device = vmalloc.HostDevice(capacity=cap, backed=False, granularity="2MiB")
+    alloc = _make_allocator(allocator, device, chunk, steal_before_create)
+    stable = allocator == "virtual" and hasattr(alloc, "unmap_backing")
+    durations = function_seconds(seq, gpu)
+    mem = _Memory(alloc, seq, stable, False)
+    oom = None
+    run = None
+    try:
+        for v in sorted(schedule.initial_resident):
+            mem.where = (None, "initial_resident")
+            mem.acquire(v, 0.0)
+        for it in range(iterations):
+            last = it == iterations - 1
+            if last:
+                alloc.reset_peak_stats()
+                if timeline:
+                    mem.samples = []
+                    mem._sample(0.0)
+            run = _run_iteration(seq, schedule, gpu, durations, mem, timeline and last)
+    except _OOM as e:
+        oom = (mem.where, str(e))
+
+    compute = math.fsum(durations)
+    in_core = compute
+    batch = seq.batch
+    stats = alloc.stats()
+    out_bytes = schedule.swap_out_bytes(seq)
+    in_bytes = schedule.swap_in_bytes(seq)
+    bound = max(compute, _xfer(out_bytes, gpu.d2h_bandwidth), _xfer(in_bytes, gpu.h2d_bandwidth))
+    ips_in = batch / in_core if batch and in_core > 0 else None
+    res = SimulationResult(
+        model=seq.name, batch=batch, gpu=gpu.name, scheduler=schedule.scheduler,
+        allocator=allocator, chunk_size=chunk, params=dict(schedule.params),
+        iteration_seconds=None, images_per_second=None, in_core_seconds=in_core,
+        in_core_images_per_second=ips_in, relative_speed=None, compute_seconds=compute,
+        stall_seconds={"swap_in": 0.0, "swap_out": 0.0, "tail": 0.0},
+        bound_seconds=bound, bound_ratio=None,
+        peak_requested_bytes=stats.peak_requested_bytes,
+        peak_reserved_bytes=stats.peak_reserved_bytes,
+        budget_bytes=schedule.budget if schedule.budget is not None else cap,
+        capacity_bytes=cap, swapped_out_bytes=out_bytes, swapped_in_bytes=in_bytes,
+        h2d_seconds=0.0, d2h_seconds=0.0, out_of_memory=oom is not None)
+    if oom is not None:
+        (index, name), message = oom
+        res.oom_function = {"index": index, "name": name}
+        res.oom_message = message
+        return res
+    t, stalls, h2d, d2h, tl = run
+    res.iteration_seconds = t
+    res.stall_seconds = stalls
+    res.h2d_seconds = h2d
+    res.d2h_seconds = d2h
+    if batch and t > 0:
+        res.images_per_second = batch / t
+        res.relative_speed = in_core / t
+    res.bound_ratio = t / bound if bound > 0 else 1.0
+    if timeline:
+        tl["memory"] = mem.samples
+        tl["budget"] = res.budget_bytes
+        tl["capacity"] = cap
+        res.timeline = tl
+    return res
+
+
+def _xfer(nbytes, bw):
+    return 0.0 if nbytes == 0 or math.isinf(bw) else nbytes / bw
+
+
+def _run_iteration(seq, schedule, gpu, durations, mem, record):
+    h2d = _Engine(gpu.h2d_bandwidth, gpu.bidirectional_bandwidth)
+    d2h = _Engine(gpu.d2h_bandwidth, gpu.bidirectional_bandwidth)
+    var = seq.variables
+    # variable -> state: "host", "device", "out" (swap-out in flight, memory still held)
+    on_device = set(schedule.initial_resident)
+    out_end: Dict[int, float] = {}     # end of the variable's last swap-out copy
+    in_end: Dict[int, float] = {}      # end of the variable's last swap-in copy
+    pending_out = set()
+    c = 0.0          # compute stream free
+    h = 0.0          # host issue time
+    stalls = {"swap_in": 0.0, "swap_out": 0.0, "tail": 0.0}
+    compute_iv, h2d_iv, d2h_iv = [], [], []
+    for i, (f, step) in enumerate(zip(seq.functions, schedule.steps)):
+        mem.where = (i, f.name)
+        h0 = h
+        for v in step.wait_swap_out:
+            h = max(h, out_end.get(v, 0.0))
+            if v in pending_out:
+                pending_out.discard(v)
+                on_device.discard(v)
+                mem.release(v, h, swap=True)
+        for v in step.allocate:
+            if v not in on_device:
+                mem.acquire(v, h)
+                on_device.add(v)
+        for v in step.swap_in:
+            if v in pending_out:      # its swap-out not yet waited: the device copy is valid
+                pending_out.discard(v)
+                continue
+            if v in on_device:
+                continue
+            mem.acquire(v, h)
+            on_device.add(v)
+            s, e = h2d.copy(max(h, out_end.get(v, 0.0)), var[v].nbytes, d2h)
+            in_end[v] = e
+            if record:
+                h2d_iv.append((s, e, v))
+        t1 = max(c, h)
+        stalls["swap_out"] += t1 - max(c, h0)
+        start = t1
+        for v in step.wait_swap_in:
+            start = max(start, in_end.get(v, 0.0))
+        stalls["swap_in"] += start - t1
+        end = start + durations[i]
+        if record:
+            compute_iv.append((start, end, i))
+        c = end
+        h = max(h, start)   # the host runs one function ahead
+        for v in step.free:
+            pending_out.discard(v)
+            if v in on_device:
+                on_device.discard(v)
+                mem.release(v, h)
+        for v in step.swap_out:
+            s, e = d2h.copy(end, var[v].nbytes, h2d)
+            out_end[v] = e
+            pending_out.add(v)
+            if record:
+                d2h_iv.append((s, e, v))
+    mem.where = (len(seq.functions), "end_wait_swap_out")
+    t_end = c
+    for v in schedule.end_wait_swap_out:
+        h = max(h, out_end.get(v, 0.0))
+        if v in pending_out:
+            pending_out.discard(v)
+            on_device.discard(v)
+            mem.release(v, h, swap=True)
+    t_end = max(t_end, h, h2d.free_at, d2h.free_at)
+    stalls["tail"] = t_end - c
+    # anything left that should not be (a schedule that forgot a free) goes at the end;
+    # a persistent variable that should be resident and is not comes back
+    resident = schedule.initial_resident
+    for v in sorted(on_device):
+        if v in pending_out or v not in resident:
+            mem.release(v, t_end, swap=v in pending_out)
+            on_device.discard(v)
+    for v in sorted(resident - on_device):
+        mem.acquire(v, t_end)
+    tl = None
+    if record:
+        tl = {"compute": compute_iv, "h2d": h2d_iv, "d2h": d2h_iv, "iteration_seconds": t_end}
+    return t_end, stalls, h2d.busy, d2h.busy, tl
+
+
+def _in_core_schedule(seq):
+    """Everything resident: persistent variables from the start, transients allocated before
+    first use, freed after last use."""
+    from vmalloc.offload.schedule import Schedule, Step
+
+    steps = [Step() for _ in seq.functions]
+    uses = seq.uses()
+    for v in seq.variables:
+        u = uses[v.id]
+        if v.persistent or not u:
+            continue
+        steps[u[0]].allocate.append(v.id)
+        steps[u[-1]].free.append(v.id)
+    resident = frozenset(v.id for v in seq.variables if v.persistent)
+    return Schedule("none", steps, initial_resident=resident)
