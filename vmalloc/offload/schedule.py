@@ -21,6 +21,14 @@ every other persistent variable starts on the host. After the last step the host
 ``end_wait_swap_out``, and the persistent variables on the device must again be exactly
 ``initial_resident``, so iterations repeat. Transient variables are allocated at their first use
 and are gone by the end.
+
+Variable states, as :meth:`Schedule.check` replays them: *absent* (a transient variable not yet
+born or freed; a freed persistent one), *on_host*, *swapping_in* (memory taken, copy in flight),
+*resident*, *swapping_out* (memory taken until the swap-out is waited). Device bytes in use are
+resident + swapping in + swapping out + allocated. A function may read only a resident variable
+with content (swap-in waited, or written since allocation; a transient variable allocated at its
+first use, when that use is a read, holds data from outside, e.g. the input batch), and may write
+only a resident variable.
 """
 
 from __future__ import annotations
@@ -75,6 +83,27 @@ class Schedule:
     def __len__(self):
         return len(self.steps)
 
+    def check(self, seq, budget: Optional[int] = None) -> int:
+        """Replays the plan over variable states; raises :class:`ScheduleError` (with
+        ``function`` set to the index concerned, or None for the end of the iteration) at the
+        first violation; returns the planned peak device bytes and stores it in
+        ``planned_peak``.
+
+        The rules: a function reads only a resident variable whose swap-in was waited and whose
+        content exists, and writes only a resident variable; ``swap_in`` needs an on_host
+        variable, ``swap_out`` a resident one, ``wait_swap_in``/``wait_swap_out`` a transfer in
+        flight, ``allocate`` a variable holding no memory, ``free`` a resident one; at the end
+        no transient variable is alive, no swap-out is in flight and every persistent variable is
+        where it started (a persistent variable whose first use is write-only and that started
+        on the host may also end absent: its content is dead); device bytes (measured after each
+        step's allocate and swap_in) never exceed ``budget``; and no transfer is redundant: a
+        swap-in must be read by a function before its variable is swapped out, freed or
+        overwritten, and a swap-out's variable must next be used by a read (this iteration, or,
+        for a persistent variable, wrapping to the next) -- a transient variable never used again
+        is freed, not swapped out, and content about to be overwritten is freed.
+        """
+        return _check(self, seq, budget)
+
     def swapped_out(self) -> List[int]:
         """Variable ids swapped out, one entry per swap-out, in order."""
         return [v for s in self.steps for v in s.swap_out]
@@ -123,3 +152,207 @@ class Schedule:
 
     def __str__(self):
         return self.describe()
+
+
+# variable states while checking
+_ABSENT, _ON_HOST, _SWAPPING_IN, _RESIDENT, _SWAPPING_OUT = range(5)
+_STATE_NAMES = ("absent", "on_host", "swapping_in", "resident", "swapping_out")
+
+
+def _check(sched, seq, budget):
+    nvar = len(seq.variables)
+    nfun = len(seq.functions)
+    variables = seq.variables
+    if len(sched.steps) != nfun:
+        raise ScheduleError(f"the schedule has {len(sched.steps)} steps for {nfun} functions")
+    sizes = [v.nbytes for v in variables]
+    persistent = [v.persistent for v in variables]
+    uses = seq.uses()
+    # reads_at[v][k]: whether the k-th use of v reads it
+    reads_at = [[] for _ in range(nvar)]
+    for f in seq.functions:
+        ins = set(f.inputs)
+        for v in f.uses:
+            reads_at[v].append(v in ins)
+    pos = [0] * nvar            # index into uses[v] of v's next use
+
+    def name(v):
+        return f"{variables[v].name} (v{v})"
+
+    def fname(i):
+        return f"function {i} ({seq.functions[i].name})"
+
+    def fail(i, msg):
+        where = fname(i) if i is not None else "end of iteration"
+        raise ScheduleError(f"{where}: {msg}", function=i)
+
+    for v in sched.initial_resident:
+        if not (isinstance(v, int) and 0 <= v < nvar) or not persistent[v]:
+            raise ScheduleError(f"initial_resident: {v!r} is not a persistent variable")
+    state = [_ABSENT] * nvar
+    content = [False] * nvar    # resident memory holds the variable's data
+    born = [False] * nvar       # transient variable allocated at least once
+    unread_swap_in = [False] * nvar
+    live = 0
+    for v in range(nvar):
+        if persistent[v]:
+            if v in sched.initial_resident:
+                state[v] = _RESIDENT
+                content[v] = True
+                live += sizes[v]
+            else:
+                state[v] = _ON_HOST
+    peak = live
+    if budget is not None and live > budget:
+        raise ScheduleError(f"initial resident variables take {live} bytes; the budget is "
+                            f"{budget}", function=0 if nfun else None)
+
+    def valid(i, what, ids):
+        for v in ids:
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < nvar:
+                fail(i, f"{what}: {v!r} is not a variable id")
+
+    def next_use(v, i):
+        """(function index, reads) of v's next use after function i; wraps for persistent
+        variables; (None, None) if there is none."""
+        u = uses[v]
+        k = pos[v]
+        while k < len(u) and u[k] <= i:
+            k += 1
+        if k < len(u):
+            return u[k], reads_at[v][k]
+        if persistent[v] and u:
+            return u[0], reads_at[v][0]
+        return None, None
+
+    def wait_out(i, v):
+        nonlocal live
+        if state[v] != _SWAPPING_OUT:
+            fail(i, f"wait_swap_out of {name(v)}, which is {_STATE_NAMES[state[v]]}, "
+                    "not swapping out")
+        state[v] = _ON_HOST
+        content[v] = False
+        live -= sizes[v]
+
+    for i, step in enumerate(sched.steps):
+        f = seq.functions[i]
+        # 1. wait_swap_out
+        valid(i, "wait_swap_out", step.wait_swap_out)
+        for v in step.wait_swap_out:
+            wait_out(i, v)
+        # 2. allocate
+        valid(i, "allocate", step.allocate)
+        for v in step.allocate:
+            st = state[v]
+            if st not in (_ABSENT, _ON_HOST):
+                fail(i, f"allocate of {name(v)}, which already holds memory "
+                        f"({_STATE_NAMES[st]})")
+            # a transient variable born here holds outside data (e.g. the input batch)
+            content[v] = not persistent[v] and not born[v]
+            born[v] = True
+            state[v] = _RESIDENT
+            live += sizes[v]
+        # 3. swap_in
+        valid(i, "swap_in", step.swap_in)
+        for v in step.swap_in:
+            if state[v] != _ON_HOST:
+                fail(i, f"swap_in of {name(v)}, which is {_STATE_NAMES[state[v]]}, not on_host")
+            state[v] = _SWAPPING_IN
+            content[v] = True
+            unread_swap_in[v] = True
+            live += sizes[v]
+        if live > peak:
+            peak = live
+        if budget is not None and live > budget:
+            fail(i, f"device bytes reach {live} after allocate and swap_in; the budget is "
+                    f"{budget}")
+        # 4. wait_swap_in
+        valid(i, "wait_swap_in", step.wait_swap_in)
+        for v in step.wait_swap_in:
+            if state[v] != _SWAPPING_IN:
+                fail(i, f"wait_swap_in of {name(v)}, which is {_STATE_NAMES[state[v]]}, "
+                        "not swapping in")
+            state[v] = _RESIDENT
+        # the function
+        ins = f.inputs
+        for v in ins:
+            st = state[v]
+            if st != _RESIDENT:
+                if st == _SWAPPING_IN:
+                    fail(i, f"reads {name(v)}, whose swap-in was not waited")
+                fail(i, f"reads {name(v)}, which is {_STATE_NAMES[st]}, not resident")
+            if not content[v]:
+                fail(i, f"reads {name(v)}, which was allocated but never written (its content "
+                        "was not swapped in)")
+            unread_swap_in[v] = False
+        if f.outputs:
+            insset = set(ins)
+            for v in f.outputs:
+                st = state[v]
+                if st != _RESIDENT:
+                    if st in (_SWAPPING_IN, _SWAPPING_OUT):
+                        fail(i, f"writes {name(v)} while its {_STATE_NAMES[st].replace('_', '-')}"
+                                " is in flight")
+                    fail(i, f"writes {name(v)}, which has no memory ({_STATE_NAMES[st]})")
+                if v not in insset and unread_swap_in[v]:
+                    fail(i, f"redundant swap-in: {name(v)} was swapped in but this function "
+                            "overwrites it without reading it")
+                content[v] = True
+        for v in f.uses:
+            u = uses[v]
+            k = pos[v]
+            while k < len(u) and u[k] <= i:
+                k += 1
+            pos[v] = k
+        # 5. free
+        valid(i, "free", step.free)
+        for v in step.free:
+            if state[v] != _RESIDENT:
+                fail(i, f"free of {name(v)}, which is {_STATE_NAMES[state[v]]}, not resident")
+            if unread_swap_in[v]:
+                fail(i, f"redundant swap-in: {name(v)} is freed without being read since its "
+                        "swap-in")
+            state[v] = _ABSENT
+            content[v] = False
+            live -= sizes[v]
+        # 6. swap_out
+        valid(i, "swap_out", step.swap_out)
+        for v in step.swap_out:
+            if state[v] != _RESIDENT:
+                fail(i, f"swap_out of {name(v)}, which is {_STATE_NAMES[state[v]]}, "
+                        "not resident")
+            if unread_swap_in[v]:
+                fail(i, f"redundant swap-in: {name(v)} is swapped out without being read since "
+                        "its swap-in")
+            if not content[v]:
+                fail(i, f"redundant swap-out: {name(v)} holds no content")
+            j, reads = next_use(v, i)
+            if j is None:
+                fail(i, f"redundant swap-out: {name(v)} is never used again (free it instead)")
+            if not reads:
+                fail(i, f"redundant swap-out: the next use of {name(v)} (function {j}) "
+                        "overwrites it without reading (free it instead)")
+            state[v] = _SWAPPING_OUT
+    valid(None, "end_wait_swap_out", sched.end_wait_swap_out)
+    for v in sched.end_wait_swap_out:
+        wait_out(None, v)
+    initial = sched.initial_resident
+    for v in range(nvar):
+        st = state[v]
+        if st == _SWAPPING_OUT:
+            fail(None, f"the swap-out of {name(v)} is still in flight (wait for it in "
+                       "end_wait_swap_out)")
+        if st == _SWAPPING_IN:
+            fail(None, f"the swap-in of {name(v)} is still in flight")
+        if persistent[v]:
+            want = _RESIDENT if v in initial else _ON_HOST
+            if st != want:
+                u = uses[v]
+                dead = u and not reads_at[v][0]
+                if not (want == _ON_HOST and st == _ABSENT and dead):
+                    fail(None, f"persistent {name(v)} ends {_STATE_NAMES[st]}; it started "
+                               f"{_STATE_NAMES[want]}")
+        elif st != _ABSENT:
+            fail(None, f"transient {name(v)} is still alive ({_STATE_NAMES[st]})")
+    sched.planned_peak = peak
+    return peak

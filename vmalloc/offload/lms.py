@@ -1,0 +1,84 @@
+"""IBM Large Model Support (TFLMS) on a linear function sequence.
+
+LMS rewrites the graph by *graph distance*: a tensor whose consumer is far from its producer is
+swapped out after the producer and swapped back in a few operations before the consumer. On a
+linear order of functions that reads:
+
+for each transient variable and each gap between consecutive uses ``a < b`` with
+``b - a >= swapout_threshold`` where the use at ``b`` reads the variable:
+
+- ``swap_out`` after ``f_a``;
+- ``wait_swap_out`` then ``swap_in`` before ``f_s`` with ``s = max(a + 1, b - swapin_ahead)``;
+- ``wait_swap_in`` before ``f_b``.
+
+**The wait rule.** LMS has no budget: TensorFlow returns a swapped-out tensor's memory to its
+allocator once the device-to-host copy completes, at a time an offline plan cannot know. The
+schedule therefore waits for each swap-out at the latest point it must have completed -- just
+before the same variable's swap-in is issued (``wait_swap_out`` precedes ``swap_in`` in a step).
+Planned bytes are thus an upper bound; a simulator may release a completed swap-out earlier.
+
+Persistent variables stay resident (LMS swaps activations); transient variables are allocated at
+their first use and freed after their last, as in-core. Gaps whose next use overwrites the
+variable without reading it are not swapped (the variable stays allocated).
+"""
+
+from __future__ import annotations
+
+from vmalloc.errors import InvalidArgumentError
+from vmalloc.offload.schedule import Schedule, Step
+
+
+def _count(value, what, minimum):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidArgumentError(f"{what} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+class LMSScheduler:
+    """Swap each activation across long gaps between uses (see the module docstring).
+
+    Args:
+        swapout_threshold: the least distance ``b - a`` (in functions) between two uses for the
+            variable to be swapped out between them (>= 1).
+        swapin_ahead: how many functions before its use ``b`` a swap-in is issued (>= 0;
+            never before ``a + 1``).
+    """
+
+    name = "lms"
+
+    def __init__(self, swapout_threshold: int = 2, swapin_ahead: int = 1):
+        self.swapout_threshold = _count(swapout_threshold, "swapout_threshold", 1)
+        self.swapin_ahead = _count(swapin_ahead, "swapin_ahead", 0)
+
+    def __repr__(self):
+        return (f"LMSScheduler(swapout_threshold={self.swapout_threshold}, "
+                f"swapin_ahead={self.swapin_ahead})")
+
+    def schedule(self, seq) -> Schedule:
+        threshold, ahead = self.swapout_threshold, self.swapin_ahead
+        steps = [Step() for _ in seq.functions]
+        functions = seq.functions
+        uses = seq.uses()
+        resident = []
+        for var in seq.variables:
+            v = var.id
+            u = uses[v]
+            if var.persistent:
+                resident.append(v)
+                continue
+            if not u:
+                continue
+            steps[u[0]].allocate.append(v)
+            for a, b in zip(u, u[1:]):
+                if b - a >= threshold and v in functions[b].inputs:
+                    s = max(a + 1, b - ahead)
+                    steps[a].swap_out.append(v)
+                    steps[s].wait_swap_out.append(v)
+                    steps[s].swap_in.append(v)
+                    steps[b].wait_swap_in.append(v)
+            steps[u[-1]].free.append(v)
+        return Schedule("lms", steps, params={"swapout_threshold": threshold,
+                                              "swapin_ahead": ahead},
+                        initial_resident=frozenset(resident))
+
+    __call__ = schedule

@@ -1,0 +1,253 @@
+"""The paper's window-based swap scheduler (Hayakawa & Narihira, section 3).
+
+Two limits drive it:
+
+- the **window** (bytes): before function ``i`` the window holds functions ``i, i+1, ...``,
+  counted until the distinct variables they use would exceed ``window`` bytes (always at least
+  function ``i``). The window says *how far ahead* to prefetch.
+- the **budget** (bytes): device bytes the plan may hold at once -- resident variables,
+  swap-ins in flight, swap-outs not yet waited, and reservations. The budget says *how much*.
+
+Before function ``i``:
+
+(a) functions newly entering the window are admitted in order; each variable of an admitted
+    function that is on the host and read there gets a ``swap_in`` issued now (and a
+    ``wait_swap_in`` before that function). A fresh or write-only variable is not prefetched
+    but **reserved**: its bytes count against the budget from admission, and it is
+    ``allocate``-d at its function (nnabla: "reserved, not prefetched"). So is a transient
+    variable whose first use is a read (its data comes from outside, e.g. the input batch).
+(b) if an admission does not fit the budget, the oldest swap-outs in flight are waited for
+    (``wait_swap_out``, FIFO) until it fits; if it still does not fit, the window stops
+    advancing (prefetch less) and admission resumes at a later function. If function ``i``
+    itself cannot fit even with every swap-out waited, :class:`ScheduleError` is raised.
+
+After function ``i``:
+
+(c) each variable it used whose next use lies beyond the window head is swapped out,
+(d) except variables never used again (transient: ``free``; persistent with ``persistent="swap"``:
+    swapped out so the host holds it for the next iteration, or freed when the next iteration
+    first overwrites it) and variables whose next use is write-only (``free``: content dead).
+
+**Cancel.** nnabla cancels a pending swap-out when its array re-enters the window before the
+copy was waited. The schedule is built offline, so the cancel takes its offline form: the
+swap-out is removed from the step where it was issued; the device-to-host copy never happens and
+the variable simply stays resident.
+
+``persistent="swap"`` (the paper): parameters and optimizer state are scheduled like
+everything else; they start on the host, are swapped out after their last use and every
+swap-out left is waited at the end (``end_wait_swap_out``). ``persistent="resident"``:
+persistent variables stay on the device (``initial_resident``) and count in the budget; the
+window counts only the variables it schedules.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from vmalloc.errors import InvalidArgumentError
+from vmalloc.offload.schedule import Schedule, ScheduleError, Step
+from vmalloc.sizes import format_size, parse_size
+
+_ABSENT, _ON_HOST, _HELD, _SWAPPING_OUT = range(4)
+
+
+class WindowScheduler:
+    """Window-based swap scheduling (see the module docstring).
+
+    Args:
+        window: look-ahead in bytes (int or a string such as ``"4GiB"``); positive.
+        budget: device bytes the plan may hold at once.
+        persistent: ``"swap"`` (persistent variables start on the host and swap like the rest)
+            or ``"resident"`` (they stay on the device, counted in the budget).
+    """
+
+    name = "window"
+
+    def __init__(self, window, budget, persistent: str = "swap"):
+        self.window = parse_size(window, "window")
+        self.budget = parse_size(budget, "budget")
+        if self.window <= 0:
+            raise InvalidArgumentError("window must be positive")
+        if persistent not in ("swap", "resident"):
+            raise InvalidArgumentError(
+                f"persistent must be 'swap' or 'resident', got {persistent!r}")
+        self.persistent = persistent
+
+    def __repr__(self):
+        return (f"WindowScheduler(window={self.window}, budget={self.budget}, "
+                f"persistent={self.persistent!r})")
+
+    def schedule(self, seq) -> Schedule:
+        budget = self.budget
+        window = self.window
+        swap_persistent = self.persistent == "swap"
+        functions = seq.functions
+        n = len(functions)
+        variables = seq.variables
+        nvar = len(variables)
+        sizes = [v.nbytes for v in variables]
+        persistent = [v.persistent for v in variables]
+        managed = [swap_persistent or not p for p in persistent]
+
+        # per function: managed variables used, whether each is read, and its next use
+        fman = [None] * n
+        fread = [None] * n
+        fnext = [None] * n
+        fnread = [None] * n
+        last = [-1] * nvar
+        last_reads = [False] * nvar
+        for i in range(n - 1, -1, -1):
+            f = functions[i]
+            ins = f.inputs
+            vs = [v for v in f.uses if managed[v]]
+            rd = [v in ins for v in vs]
+            fman[i] = vs
+            fread[i] = rd
+            fnext[i] = [last[v] for v in vs]
+            fnread[i] = [last_reads[v] for v in vs]
+            for v, r in zip(vs, rd):
+                last[v] = i
+                last_reads[v] = r
+        first_reads = last_reads   # after the backward pass: whether each first use reads
+
+        steps = [Step() for _ in range(n)]
+        state = [_ABSENT] * nvar
+        held = 0
+        resident = []
+        for v in range(nvar):
+            if persistent[v]:
+                if managed[v]:
+                    state[v] = _ON_HOST
+                else:
+                    resident.append(v)
+                    held += sizes[v]
+        fixed = held
+        if fixed > budget:
+            raise ScheduleError(
+                f"the resident persistent variables take {format_size(fixed)} ({fixed} bytes); "
+                f"the budget is {format_size(budget)} ({budget} bytes)", function=None)
+
+        fifo = deque()              # (token, v, step) of swap-outs in flight, oldest first
+        out_token = [0] * nvar      # token of v's swap-out in flight (0: none)
+        out_step = [0] * nvar
+        token = 0
+        cnt = [0] * nvar            # uses of v by functions in the byte window [i, hm)
+        wbytes = 0
+        hm = 0                      # byte-window head (exclusive)
+        head = 0                    # admitted head (exclusive): functions [i, head) are admitted
+
+        for i in range(n):
+            step = steps[i]
+            # the byte window [i, hm)
+            if i:
+                for v in fman[i - 1]:
+                    c = cnt[v] - 1
+                    cnt[v] = c
+                    if not c:
+                        wbytes -= sizes[v]
+            while hm < n:
+                vs = fman[hm]
+                add = 0
+                for v in vs:
+                    if not cnt[v]:
+                        add += sizes[v]
+                if hm > i and wbytes + add > window:
+                    break
+                for v in vs:
+                    cnt[v] += 1
+                wbytes += add
+                hm += 1
+            # (a)/(b): admit functions entering the window
+            while head < hm:
+                j = head
+                vs = fman[j]
+                need = 0
+                for v in vs:
+                    if state[v] <= _ON_HOST:
+                        need += sizes[v]
+                if held + need > budget and fifo:
+                    own = set(vs)
+                    skipped = []
+                    while held + need > budget and fifo:
+                        entry = fifo.popleft()
+                        t, v, _ = entry
+                        if out_token[v] != t:
+                            continue            # cancelled
+                        if v in own:
+                            skipped.append(entry)   # about to be cancelled: do not wait
+                            continue
+                        out_token[v] = 0
+                        state[v] = _ON_HOST
+                        held -= sizes[v]
+                        step.wait_swap_out.append(v)
+                    fifo.extendleft(reversed(skipped))
+                if held + need > budget:
+                    if j == i:
+                        own_bytes = sum(sizes[v] for v in vs)
+                        total = own_bytes + fixed
+                        detail = f" ({format_size(fixed)} of it resident persistent variables)" \
+                            if fixed else ""
+                        raise ScheduleError(
+                            f"function {i} ({functions[i].name}) needs {format_size(total)} "
+                            f"({total} bytes){detail}; the budget is {format_size(budget)} "
+                            f"({budget} bytes)", function=i)
+                    break                        # stop advancing: prefetch less
+                jstep = steps[j]
+                for v, r in zip(vs, fread[j]):
+                    s = state[v]
+                    if not r:
+                        # write-only at f_j: reserved now, allocated at f_j. If an earlier use
+                        # in the window holds v, that use frees it (content dead) and its bytes
+                        # stay counted as f_j's reservation.
+                        jstep.allocate.append(v)
+                        if s != _HELD:
+                            held += sizes[v]
+                    elif s == _HELD:
+                        continue
+                    elif s == _SWAPPING_OUT:
+                        # offline cancel: the swap-out is dropped from the step that issued it
+                        steps[out_step[v]].swap_out.remove(v)
+                        out_token[v] = 0
+                    elif r and s == _ON_HOST:
+                        step.swap_in.append(v)
+                        jstep.wait_swap_in.append(v)
+                        held += sizes[v]
+                    else:
+                        # a transient variable first used by a read (outside data): reserved
+                        jstep.allocate.append(v)
+                        held += sizes[v]
+                    state[v] = _HELD
+                head += 1
+            # (c)/(d): after function i
+            for v, nx, nr in zip(fman[i], fnext[i], fnread[i]):
+                if nx < 0:
+                    if persistent[v] and first_reads[v]:
+                        out = True              # back to the host for the next iteration
+                    else:
+                        out = False
+                elif not nr:
+                    out = False                 # next use overwrites it: content dead
+                elif nx < head:
+                    continue                    # next use inside the window: keep
+                else:
+                    out = True
+                if out:
+                    token += 1
+                    out_token[v] = token
+                    out_step[v] = i
+                    fifo.append((token, v, i))
+                    state[v] = _SWAPPING_OUT
+                    step.swap_out.append(v)
+                else:
+                    step.free.append(v)
+                    if 0 <= nx < head:
+                        state[v] = _HELD        # the bytes stay reserved for its next use
+                    else:
+                        state[v] = _ABSENT
+                        held -= sizes[v]
+        end = [v for t, v, _ in fifo if out_token[v] == t]
+        params = {"window": self.window, "persistent": self.persistent}
+        return Schedule("window", steps, budget=budget, params=params,
+                        initial_resident=frozenset(resident), end_wait_swap_out=end)
+
+    __call__ = schedule
