@@ -7,9 +7,10 @@ during the backward pass, one layer ahead. On a function sequence:
   ``forward_end`` is the index of the first function whose name contains ``"backward"``
   (case-insensitive); if no name does, half the sequence (``len(seq) // 2``). Pass
   ``forward_end`` to choose it.
-- every transient variable *written* by a forward function whose first use at or after
-  ``forward_end`` (its first backward use ``b``) *reads* it is swapped out after its last
-  forward use ``a``; vDNN synchronizes each layer's offload before the next layer, so
+- every transient variable born in the forward pass (first used before ``forward_end``: layer
+  outputs, and the input batch, which vDNN offloads as the first layer's input) whose first
+  use at or after ``forward_end`` (its first backward use ``b``) *reads* it is swapped out after
+  its last forward use ``a``; vDNN synchronizes each layer's offload before the next layer, so
   ``wait_swap_out`` comes before ``f_(a+1)``;
 - it is swapped in before ``f_(b-1)`` (one function ahead; never before ``f_(a+1)``) and
   waited before ``f_b``. A variable with ``b == a + 1`` is not swapped (nothing to gain).
@@ -66,7 +67,7 @@ class VDNNScheduler:
             steps[u[-1]].free.append(v)
             fwd = [i for i in u if i < fe]
             bwd = [i for i in u if i >= fe]
-            if not fwd or not bwd or not any(v in functions[i].outputs for i in fwd):
+            if not fwd or not bwd:
                 continue
             a, b = fwd[-1], bwd[0]
             if b - a < 2 or v not in functions[b].inputs:

@@ -77,7 +77,13 @@ class WindowScheduler:
         return (f"WindowScheduler(window={self.window}, budget={self.budget}, "
                 f"persistent={self.persistent!r})")
 
-    def schedule(self, seq) -> Schedule:
+    def schedule(self, seq, trace=None) -> Schedule:
+        """Returns the schedule of ``seq``. Raises :class:`ScheduleError` when a function's own
+        variables (plus resident persistent ones) exceed the budget. If ``trace`` is a list,
+        the decisions are appended to it as tuples: ``("window", i, hm)`` (the byte window is
+        functions ``[i, hm)``), ``("admit", i, j)``, ``("stall", i, j)`` (``f_j`` did not fit:
+        the window stops advancing), ``("wait", i, v)``, ``("cancel", i, v, k)`` (the swap-out
+        issued after ``f_k`` is dropped)."""
         budget = self.budget
         window = self.window
         swap_persistent = self.persistent == "swap"
@@ -157,6 +163,8 @@ class WindowScheduler:
                     cnt[v] += 1
                 wbytes += add
                 hm += 1
+            if trace is not None:
+                trace.append(("window", i, hm))
             # (a)/(b): admit functions entering the window
             while head < hm:
                 j = head
@@ -180,6 +188,8 @@ class WindowScheduler:
                         state[v] = _ON_HOST
                         held -= sizes[v]
                         step.wait_swap_out.append(v)
+                        if trace is not None:
+                            trace.append(("wait", i, v))
                     fifo.extendleft(reversed(skipped))
                 if held + need > budget:
                     if j == i:
@@ -191,7 +201,11 @@ class WindowScheduler:
                             f"function {i} ({functions[i].name}) needs {format_size(total)} "
                             f"({total} bytes){detail}; the budget is {format_size(budget)} "
                             f"({budget} bytes)", function=i)
+                    if trace is not None:
+                        trace.append(("stall", i, j))
                     break                        # stop advancing: prefetch less
+                if trace is not None:
+                    trace.append(("admit", i, j))
                 jstep = steps[j]
                 for v, r in zip(vs, fread[j]):
                     s = state[v]
@@ -207,6 +221,8 @@ class WindowScheduler:
                     elif s == _SWAPPING_OUT:
                         # offline cancel: the swap-out is dropped from the step that issued it
                         steps[out_step[v]].swap_out.remove(v)
+                        if trace is not None:
+                            trace.append(("cancel", i, v, out_step[v]))
                         out_token[v] = 0
                     elif r and s == _ON_HOST:
                         step.swap_in.append(v)
