@@ -126,3 +126,19 @@ def test_loading_needs_no_torch(tmp_path):
                          cwd=str(tmp_path), env=dict(os.environ), timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(891 + 2553 + 349 + 1590)]
+
+
+def test_damaged_copies_raise_format_errors(tmp_path):
+    from vmalloc.offload import SequenceFormatError
+
+    with open(data_path("unet"), "rb") as f:
+        good = f.read()
+    damaged = bytearray(good)
+    damaged[100:110] = b"\xff" * 10            # corrupt deflate data (a zlib error inside)
+    cases = {"flipped.gz": bytes(damaged), "truncated.gz": good[:50],
+             "deep.json": b"[" * 100_000 + b"]" * 100_000}
+    for fname, data in cases.items():
+        p = tmp_path / fname
+        p.write_bytes(data)
+        with pytest.raises(SequenceFormatError, match=fname):
+            FunctionSequence.load(p)

@@ -25,6 +25,7 @@ import gzip
 import io
 import json
 import os
+import zlib
 from typing import Iterable, List, NamedTuple, Optional, Sequence
 
 from vmalloc.errors import InvalidArgumentError, VmallocError
@@ -270,10 +271,11 @@ class FunctionSequence:
                 raw.seek(0)
                 stream = gzip.GzipFile(fileobj=raw) if head == b"\x1f\x8b" else raw
                 data = stream.read(MAX_FILE_BYTES + 1)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+            # (BadGzipFile is an OSError: catch it first)
+            raise SequenceFormatError(f"corrupt gzip data: {e}", path) from None
         except OSError as e:
             raise SequenceFormatError(f"cannot read: {e.strerror or e}", path) from None
-        except (EOFError, gzip.BadGzipFile) as e:
-            raise SequenceFormatError(f"corrupt gzip data: {e}", path) from None
         if len(data) > MAX_FILE_BYTES:
             raise SequenceFormatError(
                 f"larger than {MAX_FILE_BYTES} bytes decompressed; refused", path)
@@ -281,6 +283,8 @@ class FunctionSequence:
             obj = json.loads(data)
         except (ValueError, UnicodeDecodeError) as e:
             raise SequenceFormatError(f"not JSON: {e}", path) from None
+        except RecursionError:
+            raise SequenceFormatError("JSON nested too deeply", path) from None
         return cls.from_dict(obj, path)
 
     @classmethod
