@@ -3,7 +3,8 @@
 ``vmalloc replay`` replays allocator traces through vmalloc's allocators on an emulated device
 and reports peaks, utilization, driver calls and the smallest capacity that runs the trace;
 ``vmalloc stress`` does the same for generated patterns that break best-fit caching;
-``vmalloc bench`` runs the benchmarks; ``vmalloc convert`` converts a trace to another format.
+``vmalloc bench`` runs the benchmarks; ``vmalloc convert`` converts a trace to another format;
+``vmalloc offload`` simulates out-of-core training (:mod:`vmalloc.offload.cli`).
 Errors print one line on stderr and exit with status 2.
 """
 
@@ -140,6 +141,10 @@ def _parser():
     p.add_argument("--device", default="0",
                    help="the device whose events to keep: a CUDA ordinal, cuda:N or cpu "
                         "(default 0)")
+
+    from vmalloc.offload.cli import add_parser as add_offload_parser
+
+    add_offload_parser(sub)
     return parser
 
 
@@ -240,6 +245,12 @@ def _user_errors():
     """The exception types that are the user's input, not a bug: one line, exit 2."""
     errors = [VmallocError, OSError, _CliError]
     try:
+        from vmalloc.offload.cli import OffloadCliError
+
+        errors.append(OffloadCliError)
+    except ImportError:
+        pass
+    try:
         from vmalloc.traces import TraceFormatError
 
         errors.append(TraceFormatError)
@@ -262,6 +273,10 @@ def main(argv=None):
             return _replay_command(args)
         if args.command == "stress":
             return _stress_command(args)
+        if args.command == "offload":
+            from vmalloc.offload.cli import run as offload_run
+
+            return offload_run(args)
         return _convert_command(args)
     except SystemExit as exit:  # argparse: --help (0) or a usage error (2)
         return exit.code if isinstance(exit.code, int) else EXIT_ERROR

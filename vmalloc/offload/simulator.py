@@ -35,6 +35,7 @@ the host may be reused by work issued later on the same stream).
 from __future__ import annotations
 
 import bisect
+from collections import deque
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
@@ -73,6 +74,8 @@ class SimulationResult:
     stall_seconds: Dict[str, float]
     bound_seconds: float
     bound_ratio: Optional[float]
+    serial_bound_seconds: float
+    serial_bound_ratio: Optional[float]
     peak_requested_bytes: int
     peak_reserved_bytes: int
     budget_bytes: int
@@ -234,7 +237,7 @@ class _Memory:
 
 def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_size=None,
              capacity=None, timeline=False, iterations=2,
-             steal_before_create=True) -> SimulationResult:
+             steal_before_create=True, release_completed=None) -> SimulationResult:
     """Simulates one steady-state iteration of ``seq`` under ``schedule`` on ``gpu``.
 
     Args:
@@ -250,6 +253,9 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
         steal_before_create: the chunk-placement virtual allocator reuses its free cached chunks
             before creating new ones (default True here, so that its reserved bytes show what
             the schedule needs rather than growing lazily to the capacity).
+        release_completed: release a swap-out's memory as soon as its copy has completed (by
+            the host's issue time), not only at its ``wait_swap_out``: TensorFlow's behaviour,
+            which LMS schedules assume (default: True for ``scheduler == "lms"``).
         timeline: keep per-event intervals and memory samples (for :mod:`~vmalloc.offload.timeline`).
         iterations: iterations run on the same allocator; the last is reported (default 2).
 
@@ -277,6 +283,8 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
     alloc = _make_allocator(allocator, device, chunk, steal_before_create)
     stable = allocator == "virtual" and hasattr(alloc, "unmap_backing")
     durations = function_seconds(seq, gpu)
+    if release_completed is None:
+        release_completed = schedule.scheduler == "lms"
     mem = _Memory(alloc, seq, stable, False)
     oom = None
     run = None
@@ -291,7 +299,8 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
                 if timeline:
                     mem.samples = []
                     mem._sample(0.0)
-            run = _run_iteration(seq, schedule, gpu, durations, mem, timeline and last)
+            run = _run_iteration(seq, schedule, gpu, durations, mem, timeline and last,
+                                 release_completed)
     except _OOM as e:
         oom = (mem.where, str(e))
 
@@ -302,6 +311,9 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
     out_bytes = schedule.swap_out_bytes(seq)
     in_bytes = schedule.swap_in_bytes(seq)
     bound = max(compute, _xfer(out_bytes, gpu.d2h_bandwidth), _xfer(in_bytes, gpu.h2d_bandwidth))
+    # swap-outs (forward) and swap-ins (backward) of a training step mostly cannot overlap:
+    # the serial bound adds the two directions' transfer times
+    serial = max(compute, _xfer(out_bytes, gpu.d2h_bandwidth) + _xfer(in_bytes, gpu.h2d_bandwidth))
     ips_in = batch / in_core if batch and in_core > 0 else None
     res = SimulationResult(
         model=seq.name, batch=batch, gpu=gpu.name, scheduler=schedule.scheduler,
@@ -310,6 +322,7 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
         in_core_images_per_second=ips_in, relative_speed=None, compute_seconds=compute,
         stall_seconds={"swap_in": 0.0, "swap_out": 0.0, "tail": 0.0},
         bound_seconds=bound, bound_ratio=None,
+        serial_bound_seconds=serial, serial_bound_ratio=None,
         peak_requested_bytes=stats.peak_requested_bytes,
         peak_reserved_bytes=stats.peak_reserved_bytes,
         budget_bytes=schedule.budget if schedule.budget is not None else cap,
@@ -329,6 +342,7 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
         res.images_per_second = batch / t
         res.relative_speed = in_core / t
     res.bound_ratio = t / bound if bound > 0 else 1.0
+    res.serial_bound_ratio = t / serial if serial > 0 else 1.0
     if timeline:
         tl["memory"] = mem.samples
         tl["budget"] = res.budget_bytes
@@ -341,7 +355,7 @@ def _xfer(nbytes, bw):
     return 0.0 if nbytes == 0 or math.isinf(bw) else nbytes / bw
 
 
-def _run_iteration(seq, schedule, gpu, durations, mem, record):
+def _run_iteration(seq, schedule, gpu, durations, mem, record, release_completed=False):
     h2d = _Engine(gpu.h2d_bandwidth, gpu.bidirectional_bandwidth)
     d2h = _Engine(gpu.d2h_bandwidth, gpu.bidirectional_bandwidth)
     var = seq.variables
@@ -350,6 +364,7 @@ def _run_iteration(seq, schedule, gpu, durations, mem, record):
     out_end: Dict[int, float] = {}     # end of the variable's last swap-out copy
     in_end: Dict[int, float] = {}      # end of the variable's last swap-in copy
     pending_out = set()
+    completed = deque()   # (copy end, variable) of swap-outs, in engine (FIFO) order
     c = 0.0          # compute stream free
     h = 0.0          # host issue time
     stalls = {"swap_in": 0.0, "swap_out": 0.0, "tail": 0.0}
@@ -357,6 +372,13 @@ def _run_iteration(seq, schedule, gpu, durations, mem, record):
     for i, (f, step) in enumerate(zip(seq.functions, schedule.steps)):
         mem.where = (i, f.name)
         h0 = h
+        if release_completed:
+            while completed and completed[0][0] <= h:
+                _, v = completed.popleft()
+                if v in pending_out and out_end.get(v) is not None:
+                    pending_out.discard(v)
+                    on_device.discard(v)
+                    mem.release(v, h, swap=True)
         for v in step.wait_swap_out:
             h = max(h, out_end.get(v, 0.0))
             if v in pending_out:
@@ -399,6 +421,8 @@ def _run_iteration(seq, schedule, gpu, durations, mem, record):
             s, e = d2h.copy(end, var[v].nbytes, h2d)
             out_end[v] = e
             pending_out.add(v)
+            if release_completed:
+                completed.append((e, v))
             if record:
                 d2h_iv.append((s, e, v))
     mem.where = (len(seq.functions), "end_wait_swap_out")

@@ -1,0 +1,273 @@
+"""``vmalloc offload ...``: simulate out-of-core training on a model of a GPU.
+
+::
+
+    vmalloc offload simulate --model resnet50 --batch 1440 --gpu v100-16gb \\
+        --scheduler window --allocator virtual [--budget SIZE] [--window SIZE] [--json] [--plot F]
+    vmalloc offload table --model resnet50 --gpu v100-16gb [--json]
+    vmalloc offload models
+    vmalloc offload gpus
+
+Errors print one line on stderr and exit with status 2 (the caller, :mod:`vmalloc.cli`,
+prints them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+__all__ = ["add_parser", "run", "table", "PAPER_TABLE1", "TABLE_BATCHES"]
+
+#: The paper's Table 1 (ResNet-50, V100 16 GB): batch -> (in-core, schedule + VA) images/s.
+PAPER_TABLE1 = {64: (336, 304), 128: (492, 389), 190: (581, 415), 256: (None, 424),
+                512: (None, 446), 928: (None, 409), 1120: (None, 398), 1248: (None, 347),
+                1440: (None, 321)}
+TABLE_BATCHES = tuple(PAPER_TABLE1)
+
+
+class OffloadCliError(Exception):
+    """A user error phrased for the command line."""
+
+
+def _size(text):
+    from vmalloc.errors import VmallocError
+    from vmalloc.sizes import parse_size
+
+    try:
+        return parse_size(text)
+    except VmallocError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_parser(sub):
+    """Adds ``offload`` and its subcommands to ``sub`` (an argparse subparsers object)."""
+    from vmalloc.offload.schedulers import SCHEDULERS
+    from vmalloc.offload.simulator import ALLOCATORS
+
+    p = sub.add_parser("offload", help="simulate out-of-core training (swap schedules) on a "
+                                       "model of a GPU",
+                       description="Simulate out-of-core training: a model's training "
+                                   "iteration under a swap schedule on a model of a GPU, every "
+                                   "allocation through a real vmalloc allocator.")
+    osub = p.add_subparsers(dest="offload_command", metavar="SUBCOMMAND")
+    osub.required = True
+
+    s = osub.add_parser("simulate", help="simulate one model, batch, scheduler and allocator")
+    s.add_argument("--model", default="resnet50",
+                   help="a shipped model (vmalloc offload models) or a saved sequence file")
+    s.add_argument("--batch", type=int, default=None, help="batch size (default: the model's)")
+    s.add_argument("--gpu", default="v100-16gb", help="vmalloc offload gpus lists them")
+    s.add_argument("--scheduler", choices=SCHEDULERS, default="window")
+    s.add_argument("--allocator", choices=ALLOCATORS, default="virtual")
+    s.add_argument("--budget", type=_size, metavar="SIZE",
+                   help="the window scheduler's budget (default: tuned by simulation)")
+    s.add_argument("--window", type=_size, metavar="SIZE",
+                   help="the window scheduler's window (default: tuned by simulation)")
+    s.add_argument("--chunk-size", type=_size, metavar="SIZE",
+                   help="the virtual allocator's chunk (default 2MiB; the paper used 40MB)")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--plot", metavar="FILE.png", help="write a timeline PNG")
+
+    t = osub.add_parser("table", help="the paper's Table 1, simulated")
+    t.add_argument("--model", default="resnet50")
+    t.add_argument("--gpu", default="v100-16gb")
+    t.add_argument("--batches", default=None, metavar="B,B,...",
+                   help="batch sizes (default the paper's: "
+                        f"{','.join(map(str, TABLE_BATCHES))})")
+    t.add_argument("--json", action="store_true", help="print one JSON object")
+
+    osub.add_parser("models", help="list the shipped model sequences")
+    osub.add_parser("gpus", help="list the GPU models")
+    return p
+
+
+def _sequence(model, batch):
+    from vmalloc.offload.models import MODELS, model_sequence
+    from vmalloc.offload.sequence import FunctionSequence
+
+    if model in MODELS:
+        return model_sequence(model, batch)
+    if os.path.exists(model):
+        seq = FunctionSequence.load(model)
+        if batch is not None and batch != seq.batch:
+            seq = seq.at_batch(batch)
+        return seq
+    raise OffloadCliError(f"unknown model {model!r}: not one of {', '.join(MODELS)} and "
+                          f"no such file")
+
+
+def _gpu(name):
+    from vmalloc.offload.gpus import GPUS
+
+    if name.lower() not in GPUS:
+        raise OffloadCliError(f"unknown GPU {name!r}; choose from {', '.join(GPUS)}")
+    return GPUS[name.lower()]
+
+
+def _simulate(args):
+    from vmalloc.offload.planner import plan
+    from vmalloc.offload.simulator import simulate
+
+    if args.batch is not None and args.batch < 1:
+        raise OffloadCliError(f"--batch must be positive, got {args.batch}")
+    if args.scheduler != "window" and (args.budget is not None or args.window is not None):
+        raise OffloadCliError("--budget and --window apply to --scheduler window only")
+    gpu = _gpu(args.gpu)
+    seq = _sequence(args.model, args.batch)
+    p = plan(seq, gpu, args.scheduler, args.allocator, budget=args.budget, window=args.window,
+             chunk_size=args.chunk_size)
+    if p.feasible:
+        r = simulate(seq, p.schedule, gpu=gpu, allocator=args.allocator,
+                     chunk_size=args.chunk_size, timeline=bool(args.plot))
+    else:
+        r = p.result
+        if r is None:
+            raise OffloadCliError(f"no schedule fits: {p.reason}")
+    if args.json:
+        d = r.to_dict()
+        d["planned"] = {"params": p.params, "tried": p.tried, "feasible": p.feasible,
+                        "reason": p.reason}
+        json.dump(d, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(r.summary())
+        if p.params:
+            print("parameters: " + ", ".join(f"{k}={v}" for k, v in p.params.items()))
+        if r.out_of_memory:
+            print(f"out of memory: {r.oom_message}")
+    if args.plot:
+        if r.timeline is None:
+            raise OffloadCliError("nothing to plot: the simulation ran out of memory")
+        from vmalloc.offload.timeline import plot_timeline
+
+        plot_timeline(r, args.plot)
+        print(f"timeline written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def table(model="resnet50", gpu="v100-16gb", batches=None, progress=False):
+    """The paper's Table 1 for ``model`` on ``gpu``, simulated: a dict with ``rows`` (one per
+    batch: images/s or None for out of memory, per configuration) and the in-core limit."""
+    from vmalloc.offload.planner import in_core_reference, plan
+    from vmalloc.offload.simulator import simulate
+
+    gpu = _gpu(gpu) if isinstance(gpu, str) else gpu
+    seq_fn = (lambda b: _sequence(model, b))
+    limit, limit_ips = in_core_reference(seq_fn, gpu)
+    batches = sorted(set(batches or TABLE_BATCHES) | ({limit} if limit else set()))
+    paper = model == "resnet50" and gpu.name == "v100-16gb"
+    configs = [("window", "caching"), ("window", "virtual"), ("lms", "virtual"),
+               ("vdnn", "virtual")]
+    rows = []
+    for k, b in enumerate(batches):
+        if progress:
+            print(f"\r{model} on {gpu.name}: batch {b} ({k + 1}/{len(batches)})",
+                  end="", file=sys.stderr, flush=True)
+        seq = seq_fn(b)
+        inc = simulate(seq, None, gpu=gpu, allocator="caching")
+        row = {"batch": b,
+               "in_core": None if inc.out_of_memory else inc.images_per_second}
+        for sch, alloc in configs:
+            p = plan(seq, gpu, sch, alloc)
+            key = f"{sch}+{alloc}"
+            if p.feasible:
+                r = p.result
+                row[key] = r.images_per_second
+                row[key + ":params"] = p.params
+                row[key + ":relative"] = (r.images_per_second / limit_ips if limit_ips
+                                          else None)
+                row[key + ":bound_ratio"] = r.bound_ratio
+                row[key + ":serial_bound_ratio"] = r.serial_bound_ratio
+            else:
+                row[key] = None
+            if sch == "window" and alloc == "caching":
+                r = p.result
+                row["window+caching:peak_reserved_bytes"] = r.peak_reserved_bytes if r else None
+                row["window+caching:budget_bytes"] = (p.params.get("budget") if p.feasible
+                                                      else (r.budget_bytes if r else None))
+        if paper and b in PAPER_TABLE1:
+            row["paper_in_core"], row["paper_schedule_va"] = PAPER_TABLE1[b]
+        rows.append(row)
+    if progress:
+        print(file=sys.stderr)
+    return {"model": model, "gpu": gpu.name, "in_core_limit": limit,
+            "in_core_limit_images_per_second": limit_ips, "rows": rows}
+
+
+def _fmt(x, width=8):
+    return f"{'OOM':>{width}}" if x is None else f"{x:>{width}.0f}"
+
+
+def _table(args):
+    batches = None
+    if args.batches:
+        try:
+            batches = [int(b) for b in args.batches.split(",") if b.strip()]
+        except ValueError:
+            raise OffloadCliError(f"--batches must be integers separated by commas, got "
+                                  f"{args.batches!r}") from None
+        if not batches or min(batches) < 1:
+            raise OffloadCliError("--batches must be positive integers")
+    gpu = _gpu(args.gpu)
+    _sequence(args.model, None)   # a clear error before any work
+    t = table(args.model, gpu, batches, progress=sys.stderr.isatty() and not args.json)
+    if args.json:
+        json.dump(t, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    from vmalloc.sizes import format_size
+
+    paper = any("paper_schedule_va" in r for r in t["rows"])
+    print(f"{t['model']} on {t['gpu']}: images/s (OOM: out of memory); in-core limit batch "
+          f"{t['in_core_limit']} at {t['in_core_limit_images_per_second'] or 0:.0f} images/s")
+    head = (f"{'batch':>6} {'in-core':>8} {'win+cach':>8} {'win+virt':>8} {'rel':>5} "
+            f"{'lms+virt':>8} {'vdnn+vir':>8}")
+    if paper:
+        head += f" {'paper-ic':>8} {'paper-va':>8}"
+    head += "   win+caching reserved / budget"
+    print(head)
+    for r in t["rows"]:
+        rel = r.get("window+virtual:relative")
+        line = (f"{r['batch']:>6} {_fmt(r['in_core'])} {_fmt(r['window+caching'])} "
+                f"{_fmt(r['window+virtual'])} "
+                f"{'' if rel is None else format(rel, '.0%'):>5} "
+                f"{_fmt(r['lms+virtual'])} {_fmt(r['vdnn+virtual'])}")
+        if paper:
+            line += f" {_fmt(r.get('paper_in_core'))} {_fmt(r.get('paper_schedule_va'))}"
+        res, bud = r.get("window+caching:peak_reserved_bytes"), r.get("window+caching:budget_bytes")
+        if res is not None and bud:
+            line += f"   {format_size(res)} / {format_size(bud)}"
+        print(line)
+    print("rel: window+virtual against the in-core speed at the in-core limit (the paper's "
+          "55 % at 1440 is 321/581)")
+    return 0
+
+
+def _models(args):
+    from vmalloc.offload.models import MODELS, model_sequence
+
+    for name in MODELS:
+        print(model_sequence(name).summary())
+    return 0
+
+
+def _gpus(args):
+    from vmalloc.offload.gpus import GPUS
+
+    for g in GPUS.values():
+        print(f"{g.name:<10} {g.memory_bytes / 2**30:.0f} GiB, {g.peak_flops / 1e12:.0f} TFLOP/s "
+              f"x {g.compute_efficiency:.3f}, HBM {g.hbm_bandwidth / 1e9:.0f} GB/s, {g.link}: "
+              f"H2D {g.h2d_bandwidth / 1e9:.1f} / D2H {g.d2h_bandwidth / 1e9:.1f} / both "
+              f"{g.bidirectional_bandwidth / 1e9:.1f} GB/s, "
+              f"{g.function_overhead_seconds * 1e6:.0f} us/function")
+    return 0
+
+
+def run(args):
+    """Runs the parsed ``offload`` command; returns the exit status. Raises OffloadCliError
+    (and VmallocError, OSError) for the caller to print as one line."""
+    return {"simulate": _simulate, "table": _table, "models": _models,
+            "gpus": _gpus}[args.offload_command](args)

@@ -1,0 +1,213 @@
+"""Pick a scheduler's parameters, and the largest batch, by simulation.
+
+:func:`plan` searches a scheduler's parameters on a coarse grid and refines around the best,
+simulating each candidate with :func:`~vmalloc.offload.simulate` (a real allocator, so a plan
+that fragments the caching allocator out of memory is rejected), and keeps the fastest that
+does not run out of memory:
+
+- ``window``: the budget on a grid of fractions of the GPU's memory (0.6 ... 0.95; or the
+  ``budget`` given) times window sizes 256 MiB / 1 GiB / 4 GiB, then the best window halved and
+  doubled and the best budget moved by 0.05 of the memory;
+- ``lms``: ``swapout_threshold`` in 2, 8, 32, 128 times ``swapin_ahead`` in 1, 4, 16;
+- ``vdnn`` and ``none``: nothing to tune (one simulation).
+
+:func:`max_batch` is AccUDNN's tuner done by simulation: the largest batch that plans without
+running out of memory at no less than ``min_relative_speed`` of the in-core speed (doubling,
+then bisection).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Union
+
+from vmalloc.errors import InvalidArgumentError
+from vmalloc.offload.gpus import get_gpu
+from vmalloc.offload.schedule import ScheduleError
+from vmalloc.offload.schedulers import SCHEDULERS, make_scheduler
+from vmalloc.offload.simulator import simulate
+from vmalloc.sizes import parse_size
+
+__all__ = ["plan", "Plan", "max_batch", "BUDGET_FRACTIONS", "WINDOWS", "in_core_reference"]
+
+MiB = 1 << 20
+GiB = 1 << 30
+BUDGET_FRACTIONS = (0.6, 0.75, 0.9)
+WINDOWS = (256 * MiB, 1 * GiB, 4 * GiB)
+LMS_GRID = [(t, a) for t in (2, 8, 32, 128) for a in (1, 4, 16)]
+
+
+@dataclass
+class Plan:
+    """The parameters :func:`plan` chose and the simulation of them. ``result`` is the best
+    feasible simulation, or the last attempt (out of memory) when none was feasible."""
+
+    scheduler: str
+    params: dict
+    feasible: bool
+    result: object
+    schedule: object = field(default=None, repr=False)
+    tried: int = 0
+    reason: Optional[str] = None
+
+    def to_dict(self) -> dict:
+        return {"scheduler": self.scheduler, "params": self.params, "feasible": self.feasible,
+                "tried": self.tried, "reason": self.reason,
+                "result": None if self.result is None else self.result.to_dict()}
+
+
+def _try(seq, name, params, gpu, allocator, chunk_size):
+    try:
+        sched = make_scheduler(name, **params).schedule(seq)
+    except ScheduleError as e:
+        return None, None, str(e)
+    r = simulate(seq, sched, gpu=gpu, allocator=allocator, chunk_size=chunk_size)
+    return sched, r, (r.oom_message if r.out_of_memory else None)
+
+
+def plan(seq, gpu="v100-16gb", scheduler="window", allocator="virtual", budget=None,
+         window=None, chunk_size=None) -> Plan:
+    """The fastest parameters of ``scheduler`` for ``seq`` on ``gpu`` with ``allocator`` that
+    do not run out of memory (see the module docstring for the grids). ``budget`` and
+    ``window`` (window scheduler) fix those parameters instead of searching them."""
+    gpu = get_gpu(gpu)
+    if scheduler not in SCHEDULERS:
+        raise InvalidArgumentError(
+            f"unknown scheduler {scheduler!r}; choose from {', '.join(SCHEDULERS)}")
+    best = [None]           # (ips, params, sched, result)
+    last = [None, None]     # (result, reason) of the last failure
+    tried = [0]
+
+    def evaluate(params):
+        key = tuple(sorted(params.items()))
+        if key in seen:
+            return seen[key]
+        tried[0] += 1
+        sched, r, why = _try(seq, scheduler, params, gpu, allocator, chunk_size)
+        ips = None
+        if r is not None and not r.out_of_memory:
+            ips = r.images_per_second or 0.0
+            if best[0] is None or ips > best[0][0]:
+                best[0] = (ips, dict(params), sched, r)
+        else:
+            last[0], last[1] = r, why
+        seen[key] = ips
+        return ips
+
+    seen = {}
+    if scheduler == "window":
+        mem = gpu.memory_bytes
+        if budget is not None:
+            budgets = [parse_size(budget, "budget")]
+        else:
+            budgets = [int(f * mem) for f in BUDGET_FRACTIONS]
+        windows = [parse_size(window, "window")] if window is not None else list(WINDOWS)
+        for b in budgets:
+            for w in windows:
+                evaluate({"window": w, "budget": b})
+        if best[0] is not None:
+            _, p, _, _ = best[0]
+            if window is None:
+                for w in (p["window"] // 2, p["window"] * 2):
+                    evaluate({"window": max(MiB, w), "budget": p["budget"]})
+            if budget is None:
+                _, p, _, _ = best[0]
+                for db in (-0.05, 0.05):
+                    b = int(p["budget"] + db * mem)
+                    if 0.3 * mem <= b <= 0.98 * mem:
+                        evaluate({"window": p["window"], "budget": b})
+    elif scheduler == "lms":
+        for t, a in LMS_GRID:
+            evaluate({"swapout_threshold": t, "swapin_ahead": a})
+    else:
+        evaluate({})
+    if best[0] is None:
+        return Plan(scheduler, {}, False, last[0], None, tried[0],
+                    last[1] or "no feasible parameters")
+    ips, params, sched, r = best[0]
+    return Plan(scheduler, params, True, r, sched, tried[0])
+
+
+def _seq_fn(model):
+    if callable(model):
+        return model
+    if isinstance(model, str):
+        from vmalloc.offload.models import model_sequence
+
+        return lambda b: model_sequence(model, b)
+    if hasattr(model, "at_batch"):
+        return model.at_batch
+    raise InvalidArgumentError(
+        f"model must be a model name, a sequence or a function of the batch, got {model!r}")
+
+
+def _largest(ok: Callable[[int], bool], start=16, limit=1 << 16, resolution=0.02):
+    """The largest b with ok(b), searching upward from ``start`` (doubling, then bisection to
+    within ``resolution`` relative). 0 if ok(1) fails."""
+    lo, hi = 0, None
+    b = start
+    while b <= limit:
+        if ok(b):
+            lo = b
+            b *= 2
+        else:
+            hi = b
+            break
+    if lo == 0:
+        if start > 1:
+            return _largest(ok, 1, start - 1, resolution)
+        return 0
+    if hi is None:
+        return lo
+    while hi - lo > max(1, int(lo * resolution)):
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def in_core_reference(model, gpu="v100-16gb", allocator="caching"):
+    """(batch, images/s): the in-core limit (the largest batch that runs with no swaps) and its
+    speed, the paper's reference for "relative to in-core" (its 55 % at batch 1440 is 321
+    images/s against 581 at the in-core limit 190)."""
+    fn = _seq_fn(model)
+    gpu = get_gpu(gpu)
+    cache = {}
+
+    def ok(b):
+        r = simulate(fn(b), None, gpu=gpu, allocator=allocator)
+        cache[b] = r
+        return not r.out_of_memory
+
+    b = _largest(ok, resolution=0.0)
+    if b == 0:
+        return 0, None
+    return b, cache[b].images_per_second
+
+
+def max_batch(model, gpu="v100-16gb", scheduler="window", allocator="virtual",
+              min_relative_speed=0.55, reference=None, start=16, resolution=0.02):
+    """The largest batch that ``scheduler`` (its parameters planned by :func:`plan`) trains on
+    ``gpu`` with ``allocator`` without running out of memory, at ``min_relative_speed`` or
+    more of ``reference`` images/s (default: the in-core speed at the in-core limit, as the
+    paper measures). ``model`` is a model name, a sequence recorded with a batch, or a
+    function ``batch -> sequence``. Returns ``(batch, plan)``; ``(0, None)`` if none fits."""
+    fn = _seq_fn(model)
+    gpu = get_gpu(gpu)
+    if reference is None and scheduler != "none" and min_relative_speed:
+        _, reference = in_core_reference(fn, gpu)
+    plans = {}
+
+    def ok(b):
+        p = plan(fn(b), gpu, scheduler, allocator)
+        plans[b] = p
+        if not p.feasible:
+            return False
+        if reference and min_relative_speed:
+            return p.result.images_per_second >= min_relative_speed * reference
+        return True
+
+    b = _largest(ok, start=start, resolution=resolution)
+    return b, plans.get(b)
