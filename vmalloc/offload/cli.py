@@ -236,7 +236,8 @@ def _table(args):
                 f"{'' if rel is None else format(rel, '.0%'):>5} "
                 f"{_fmt(r['lms+virtual'])} {_fmt(r['vdnn+virtual'])}")
         if paper:
-            line += f" {_fmt(r.get('paper_in_core'))} {_fmt(r.get('paper_schedule_va'))}"
+            line += "".join(f" {'-':>8}" if r.get(k) is None else f" {r[k]:>8}"
+                            for k in ("paper_in_core", "paper_schedule_va"))
         res, bud = r.get("window+caching:peak_reserved_bytes"), r.get("window+caching:budget_bytes")
         if res is not None and bud:
             line += f"   {format_size(res)} / {format_size(bud)}"

@@ -1,0 +1,69 @@
+"""The planner: parameters and the largest batch, chosen by simulation."""
+
+import pytest
+
+from vmalloc.errors import InvalidArgumentError
+from vmalloc.offload.planner import _largest, max_batch, plan
+from vmalloc.offload.sequence import FunctionSequence
+from vmalloc.offload.simulator import simulate
+
+MiB = 1 << 20
+
+
+def chain(batch, layers=12):
+    """A forward/backward chain: each layer's activation (4 MiB per sample) is kept for the
+    backward, like a small CNN."""
+    seq = FunctionSequence(name="chain", batch=batch)
+    w = [seq.add_variable(MiB, persistent=True) for _ in range(layers)]
+    acts = [seq.add_variable(4 * MiB * batch) for _ in range(layers + 1)]
+    grads = [seq.add_variable(4 * MiB * batch) for _ in range(layers + 1)]
+    seq.add_function(outputs=[acts[0]], seconds=1e-3, name="input")
+    for k in range(layers):
+        seq.add_function(inputs=[acts[k], w[k]], outputs=[acts[k + 1]], flops=2e9 * batch,
+                         name=f"fwd{k}")
+    seq.add_function(inputs=[acts[-1]], outputs=[grads[-1]], seconds=1e-4, name="loss")
+    for k in reversed(range(layers)):
+        seq.add_function(inputs=[grads[k + 1], acts[k], w[k]], outputs=[grads[k]],
+                         flops=4e9 * batch, name=f"bwd{k}")
+    return seq
+
+
+def test_window_plan_is_feasible_and_beats_nothing_fitting():
+    seq = chain(24)                      # 12 x 96 MiB activations: ~1.3 GiB in core
+    gpu = "v100-16gb"
+    small = 1 << 30                       # a 1 GiB device: in-core does not fit
+    from vmalloc.offload.gpus import get_gpu
+    g = get_gpu(gpu).with_(memory_bytes=small)
+    assert simulate(seq, None, gpu=g).out_of_memory
+    p = plan(seq, g, "window", "virtual")
+    assert p.feasible and p.params["budget"] <= small and p.params["window"] > 0
+    again = simulate(seq, p.schedule, gpu=g, allocator="virtual")
+    assert not again.out_of_memory
+    assert again.to_dict() == p.result.to_dict()
+    assert p.tried >= 9
+
+
+def test_plan_fixed_budget_and_errors():
+    seq = chain(4)
+    p = plan(seq, "v100-16gb", "window", budget="8GiB", window="64MiB")
+    assert p.feasible and p.params == {"window": 64 * MiB, "budget": 8 << 30}
+    assert plan(seq, "v100-16gb", "none").feasible
+    assert plan(seq, "v100-16gb", "vdnn").feasible
+    with pytest.raises(InvalidArgumentError, match="scheduler"):
+        plan(seq, "v100-16gb", "magic")
+
+
+def test_largest_search():
+    assert _largest(lambda b: b <= 300, resolution=0.0) == 300
+    assert _largest(lambda b: b <= 5, resolution=0.0) == 5
+    assert _largest(lambda b: False) == 0
+
+
+def test_max_batch_in_core_and_window():
+    from vmalloc.offload.gpus import get_gpu
+    g = get_gpu("v100-16gb").with_(memory_bytes=1 << 30)
+    b_in, p_in = max_batch(chain, g, "none", "caching", start=4, resolution=0.0)
+    assert b_in > 0 and p_in.feasible
+    assert simulate(chain(b_in + 1), None, gpu=g, allocator="caching").out_of_memory
+    b_win, p_win = max_batch(chain, g, "window", "virtual", min_relative_speed=0.0, start=4)
+    assert b_win > b_in and p_win.feasible
