@@ -26,9 +26,11 @@ from vmalloc._device_map import as_device_map
 from vmalloc.errors import OutOfMemoryError, VmallocError
 
 __all__ = [
+    "OutOfCore",
     "check_out_of_memory",
     "is_installed",
     "memory_stats",
+    "out_of_core",
     "pluggable_allocator",
     "reset_peak_memory_stats",
     "use_vmalloc",
@@ -208,3 +210,32 @@ def check_out_of_memory(device=None):
             f"allocator (PyTorch received null pointers for them)")
         error.stats = stats
         raise error
+
+
+def out_of_core(budget=None, scheduler="window", window=None, backend=None, min_bytes=64 << 10,
+                device=None, allocator=None):
+    """Out-of-core training of the training steps run inside ``with`` (one call turns it on)::
+
+        vmalloc.torch.use_vmalloc(vmalloc.VirtualAllocator(vmalloc.CudaDevice(0)))
+        ...
+        with vmalloc.torch.out_of_core(budget="12GiB") as ooc:
+            for x, y in loader:
+                loss = loss_fn(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
+
+    A ``TorchDispatchMode`` reports each op's storages to a :class:`vmalloc.offload.Runtime`,
+    which records the first iteration, schedules it (window scheduler by default) and swaps
+    storages between the GPU and pinned host memory on dedicated streams at op boundaries.
+    ``backend="poison"`` runs the same logic on CPU tensors (see
+    :mod:`vmalloc.offload.torch_driver`). Returns the :class:`OutOfCore` context manager.
+    """
+    from vmalloc.offload.torch_driver import out_of_core as _out_of_core
+    return _out_of_core(budget=budget, scheduler=scheduler, window=window, backend=backend,
+                        min_bytes=min_bytes, device=device, allocator=allocator)
+
+
+def __getattr__(name):
+    if name == "OutOfCore":
+        from vmalloc.offload.torch_driver import OutOfCore
+        return OutOfCore
+    raise AttributeError(f"module 'vmalloc.torch' has no attribute {name!r}")
+

@@ -96,14 +96,17 @@ class Runtime:
                  host_compute=None, host_capacity=None, swap=None):
         from vmalloc._host_device import HostDevice
 
+        if allocator is None and swap is None:
+            raise InvalidArgumentError("a Runtime needs an allocator (or, for memory the "
+                                       "framework allocates, a swap backend)")
         self.allocator = allocator
-        self.device = allocator.device
+        self.device = allocator.device if allocator is not None else None
         if swap is None:
             from vmalloc.offload import SwapManager
         self.swap = swap if swap is not None else SwapManager(allocator,
                                                               host_capacity=host_capacity)
         if budget is None:
-            capacity = self.device.capacity
+            capacity = self.device.capacity if self.device is not None else 0
             self.budget = int(capacity * (1 - DEFAULT_MARGIN_FRACTION)) if capacity else None
         else:
             self.budget = parse_size(budget, "budget")
@@ -145,6 +148,8 @@ class Runtime:
                            scheduled_swap_outs=0, scheduled_swap_ins=0,
                            prefetch_failures=0, functions=0)
         self.last_schedule_error = None
+        #: Why the program last departed from the record (None if it never did).
+        self.last_divergence = None
 
     # --- memory ------------------------------------------------------------------------
     def allocate(self, nbytes) -> Buffer:
@@ -159,14 +164,55 @@ class Runtime:
         self._buffers[buf.id] = buf
         self._track(buf)
         if self._in_iteration:
-            k = len(self._iter_allocs)
-            self._iter_allocs.append(buf)
-            if self._recording:
-                self._record_allocs.append(buf)
-            elif k < len(self._transient_vars):
-                self._var_of_buf[buf.id] = self._transient_vars[k]
-                self._buf_of_var[self._transient_vars[k]] = buf
+            self._note_transient(buf)
         return buf
+
+    def adopt(self, ptr: int, nbytes, persistent: Optional[bool] = None) -> Buffer:
+        """A buffer for memory the framework allocated itself (a PyTorch storage). Inside an
+        iteration it is transient unless ``persistent`` says otherwise; the framework frees
+        it, and calls :meth:`forget` once it has."""
+        n = parse_size(nbytes, "nbytes")
+        if persistent is None:
+            persistent = not self._in_iteration
+        buf = Buffer(self, self._next_id, n, ptr, persistent=bool(persistent))
+        self._next_id += 1
+        self._buffers[buf.id] = buf
+        self._track(buf)
+        if self._in_iteration and not persistent:
+            self._note_transient(buf)
+        elif persistent and self._in_iteration and self._recording:
+            self._record_persistent.append(buf)
+        return buf
+
+    def forget(self, buf: Buffer) -> None:
+        """The framework freed an adopted buffer: drop it (and its host copy, if any)."""
+        if not buf.alive:
+            return
+        if buf.where == "swapping_in":
+            self._wait(buf)
+        if buf.where in ("on_host", "swapping_out"):
+            self.swap.discard(buf.key)
+        self._drop(buf)
+
+    def _drop(self, buf):
+        for pending in (self._pending_out, self._pending_in):
+            if buf in pending:
+                pending.remove(buf)
+        v = self._var_of_buf.pop(buf.id, None)
+        if v is not None and self._buf_of_var.get(v) is buf:
+            del self._buf_of_var[v]
+        self._untrack(buf)
+        buf.alive = False
+        self._buffers.pop(buf.id, None)
+
+    def _note_transient(self, buf):
+        k = len(self._iter_allocs)
+        self._iter_allocs.append(buf)
+        if self._recording:
+            self._record_allocs.append(buf)
+        elif k < len(self._transient_vars):
+            self._var_of_buf[buf.id] = self._transient_vars[k]
+            self._buf_of_var[self._transient_vars[k]] = buf
 
     def deallocate(self, buf: Buffer) -> None:
         """Frees a buffer in any state (waits for its copies in flight)."""
@@ -176,15 +222,7 @@ class Runtime:
                 f"buffer {buf.id} is in use by the running function; free it after the function")
         self.swap.deallocate(buf.key if buf.where in ("on_host", "swapping_out") else buf.ptr,
                              stream=self.stream)
-        for pending in (self._pending_out, self._pending_in):
-            if buf in pending:
-                pending.remove(buf)
-        v = self._var_of_buf.pop(buf.id, None)
-        if v is not None and self._buf_of_var.get(v) is buf:
-            del self._buf_of_var[v]
-        self._untrack(buf)
-        buf.alive = False
-        del self._buffers[buf.id]
+        self._drop(buf)
 
     def buffers(self) -> List[Buffer]:
         return list(self._buffers.values())
@@ -418,7 +456,8 @@ class Runtime:
             self._pending_in.clear()
             if self._step != len(self._schedule.steps):
                 # Shorter than the record: the program changed.
-                self._diverge()
+                self._diverge(f"the iteration ended after {self._step} functions; the record "
+                              f"has {len(self._schedule.steps)}")
         self._following = False
         if failed:
             return
@@ -426,7 +465,9 @@ class Runtime:
             self._stats["recorded_iterations"] += 1
             self._build_schedule()
 
-    def _diverge(self):
+    def _diverge(self, reason=None):
+        if reason is not None:
+            self.last_divergence = reason
         if self._following:
             self._stats["diverged_iterations"] += 1
             self._following = False
@@ -530,8 +571,10 @@ class Runtime:
         if f.name != name:
             return False
         var = self._var_of_buf.get
+        # Writes may grow during the function (a framework's new outputs): those known at
+        # entry must begin the recorded outputs.
         return (tuple(var(b.id) for b in reads) == f.inputs
-                and tuple(var(b.id) for b in writes) == f.outputs)
+                and tuple(var(b.id) for b in writes) == f.outputs[:len(writes)])
 
     def _enter_function(self, reads, writes, name):
         if self._in_function:
@@ -552,19 +595,38 @@ class Runtime:
             return FunctionPointers(reads + writes)
         self._stats["functions"] += 1
         if self._following and not self._matches(self._step, name, reads, writes):
-            self._diverge()
+            self._diverge(f"function {self._step} ({name}) differs from the record")
         self._current = bufs
         self._in_function = True
-        if self._recording:
-            self._record_funcs.append((name, reads, writes))
+        self._fn_reads, self._fn_writes, self._fn_name = reads, list(writes), name
         self._make_resident(bufs)
         return FunctionPointers(reads + writes)
+
+    def add_writes(self, bufs: Iterable[Buffer]) -> None:
+        """Outputs the running function created (a framework learns them only after the op:
+        adopt them, then report them here)."""
+        if not self._in_function:
+            raise InvalidArgumentError("add_writes is for the running function")
+        for b in bufs:
+            self._check_buffer(b, "add_writes")
+            self._fn_writes.append(b)
+            self._current.append(b)
+
+    def _enforce_budget(self):
+        """After a function: evict least recently used buffers until within the budget."""
+        while self.budget is not None and self._device_bytes > self.budget:
+            if not self._evict_one(0):
+                break
 
     def _exit_function(self):
         self._in_function = False
         self._current = None
         if not self._in_iteration:
             return
+        if self._recording:
+            self._record_funcs.append((self._fn_name, self._fn_reads, tuple(self._fn_writes)))
+        if not self._following:
+            self._enforce_budget()
         if self._following:
             self._post_actions(self._step)
             self._step += 1
