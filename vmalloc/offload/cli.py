@@ -75,8 +75,9 @@ def add_parser(sub):
     t.add_argument("--model", default="resnet50")
     t.add_argument("--gpu", default="v100-16gb")
     t.add_argument("--batches", default=None, metavar="B,B,...",
-                   help="batch sizes (default the paper's: "
-                        f"{','.join(map(str, TABLE_BATCHES))})")
+                   help="batch sizes (default for resnet50 the paper's: "
+                        f"{','.join(map(str, TABLE_BATCHES))}; for other models 1/2, 2, 4, "
+                        "8 and 10 times the in-core limit)")
     t.add_argument("--json", action="store_true", help="print one JSON object")
 
     osub.add_parser("models", help="list the shipped model sequences")
@@ -157,6 +158,9 @@ def table(model="resnet50", gpu="v100-16gb", batches=None, progress=False):
     gpu = _gpu(gpu) if isinstance(gpu, str) else gpu
     seq_fn = (lambda b: _sequence(model, b))
     limit, limit_ips = in_core_reference(seq_fn, gpu)
+    if batches is None and model != "resnet50" and limit:
+        # other models: multiples of their own in-core limit
+        batches = [max(1, limit // 2), 2 * limit, 4 * limit, 8 * limit, 10 * limit]
     batches = sorted(set(batches or TABLE_BATCHES) | ({limit} if limit else set()))
     paper = model == "resnet50" and gpu.name == "v100-16gb"
     configs = [("window", "caching"), ("window", "virtual"), ("lms", "virtual"),
