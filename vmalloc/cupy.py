@@ -24,7 +24,7 @@ from vmalloc._current_allocator import STATUS, last_error
 from vmalloc._device_map import as_device_map
 from vmalloc.errors import InvalidArgumentError, OutOfMemoryError, VmallocError
 
-__all__ = ["VmallocCupyAllocator", "use_vmalloc", "malloc"]
+__all__ = ["VmallocCupyAllocator", "array", "malloc", "out_of_core", "use_vmalloc"]
 
 
 def _cupy():
@@ -178,3 +178,54 @@ class use_vmalloc:
     def __exit__(self, *exc):
         self.restore()
         return False
+
+
+# --- out-of-core training -------------------------------------------------------------------
+# CuPy has no per-op hooks, so a program marks its functions itself with the runtime's
+# ``function`` blocks; these helpers make the runtime and CuPy arrays over its buffers.
+
+def out_of_core(allocator=None, budget=None, scheduler="window", window=None, device=None):
+    """A :class:`vmalloc.offload.Runtime` for CuPy programs: over ``allocator`` (default: the
+    current vmalloc allocator of ``device``, or of CuPy's current device), with CuPy's current
+    stream as the compute stream. Mark each block of work::
+
+        rt = vmalloc.cupy.out_of_core(budget="12GiB")
+        w = rt.allocate(4 * n * n)                      # a parameter
+        with rt.iteration():
+            x = rt.allocate(4 * n * n)
+            with rt.function(reads=[w], writes=[x], name="init") as p:
+                vmalloc.cupy.array(p, x, (n, n))[...] = vmalloc.cupy.array(p, w, (n, n)) * 2
+
+    Swaps run on the SwapManager's own streams, ordered after CuPy's stream with events.
+    """
+    from vmalloc.offload.runtime import Runtime
+
+    cupy = _cupy()
+    if allocator is None:
+        if device is None:
+            device = cupy.cuda.runtime.getDevice()
+        allocator = _current_allocator.get_current_allocator(device)
+        if allocator is None:
+            raise VmallocError(f"device {device} has no current vmalloc allocator: pass "
+                               "allocator=..., or call vmalloc.cupy.use_vmalloc(...) first")
+    stream = cupy.cuda.get_current_stream().ptr
+    return Runtime(allocator, budget=budget, scheduler=scheduler, window=window, stream=stream,
+                   host_compute=False)
+
+
+def array(ptrs, buffer, shape, dtype="float32"):
+    """A ``cupy.ndarray`` over a runtime buffer's memory, inside a ``rt.function`` block that
+    lists it (``ptrs`` is what the block yields). The array does not own the memory; do not
+    keep it past the block: the buffer may be swapped out after it."""
+    cupy = _cupy()
+    dtype = cupy.dtype(dtype)
+    nbytes = dtype.itemsize
+    for extent in shape:
+        nbytes *= extent
+    if nbytes > buffer.nbytes:
+        raise InvalidArgumentError(
+            f"an array of shape {tuple(shape)} and dtype {dtype} needs {nbytes} bytes; "
+            f"buffer {buffer.id} has {buffer.nbytes}")
+    device = buffer._rt.device.ordinal if buffer._rt.device is not None else 0
+    mem = cupy.cuda.UnownedMemory(ptrs[buffer], buffer.nbytes, buffer, device)
+    return cupy.ndarray(tuple(shape), dtype, cupy.cuda.MemoryPointer(mem, 0))

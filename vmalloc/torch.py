@@ -213,7 +213,7 @@ def check_out_of_memory(device=None):
 
 
 def out_of_core(budget=None, scheduler="window", window=None, backend=None, min_bytes=64 << 10,
-                device=None, allocator=None):
+                device=None, allocator=None, persistent="resident"):
     """Out-of-core training of the training steps run inside ``with`` (one call turns it on)::
 
         vmalloc.torch.use_vmalloc(vmalloc.VirtualAllocator(vmalloc.CudaDevice(0)))
@@ -230,7 +230,8 @@ def out_of_core(budget=None, scheduler="window", window=None, backend=None, min_
     """
     from vmalloc.offload.torch_driver import out_of_core as _out_of_core
     return _out_of_core(budget=budget, scheduler=scheduler, window=window, backend=backend,
-                        min_bytes=min_bytes, device=device, allocator=allocator)
+                        min_bytes=min_bytes, device=device, allocator=allocator,
+                        persistent=persistent)
 
 
 def __getattr__(name):

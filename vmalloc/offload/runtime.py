@@ -90,10 +90,12 @@ class Runtime:
             device): every wait is then a host wait. None picks True for a HostDevice.
         host_capacity: passed to the SwapManager (pinned host bytes).
         swap: an existing :class:`~vmalloc.offload.SwapManager` over ``allocator`` to use.
+        persistent: ``"resident"`` (default: parameters and optimizer state stay on the
+            device, counted in the budget) or ``"swap"`` (the paper: they swap like the rest).
     """
 
     def __init__(self, allocator, budget=None, scheduler="window", window=None, stream=0,
-                 host_compute=None, host_capacity=None, swap=None):
+                 host_compute=None, host_capacity=None, swap=None, persistent="resident"):
         from vmalloc._host_device import HostDevice
 
         if allocator is None and swap is None:
@@ -114,6 +116,10 @@ class Runtime:
                 raise InvalidArgumentError("budget must be positive (None: capacity - margin)")
         self.window = None if window is None else parse_size(window, "window")
         self._scheduler_spec = scheduler
+        if persistent not in ("resident", "swap"):
+            raise InvalidArgumentError(
+                f"persistent must be 'resident' or 'swap', got {persistent!r}")
+        self.persistent = persistent
         self.stream = stream
         self.host_compute = (isinstance(self.device, HostDevice)
                              if host_compute is None else bool(host_compute))
@@ -148,6 +154,9 @@ class Runtime:
                            scheduled_swap_outs=0, scheduled_swap_ins=0,
                            prefetch_failures=0, functions=0)
         self.last_schedule_error = None
+        #: Called at every function boundary before the runtime acts: a framework driver
+        #: reports the buffers it freed meanwhile (``forget``) here.
+        self.at_boundary = None
         #: Why the program last departed from the record (None if it never did).
         self.last_divergence = None
 
@@ -520,7 +529,8 @@ class Runtime:
         from vmalloc.offload.schedulers import make_scheduler
         if spec == "window":
             budget = self.budget if self.budget is not None else 1 << 62
-            return make_scheduler("window", window=self.window or budget, budget=budget)
+            return make_scheduler("window", window=self.window or budget, budget=budget,
+                                  persistent=self.persistent)
         if spec == "none":
             return make_scheduler("none")
         return make_scheduler(spec)
@@ -579,6 +589,8 @@ class Runtime:
     def _enter_function(self, reads, writes, name):
         if self._in_function:
             raise InvalidArgumentError("functions do not nest")
+        if self.at_boundary is not None:
+            self.at_boundary()
         bufs = []
         seen = set()
         for b in reads + writes:
@@ -621,6 +633,8 @@ class Runtime:
     def _exit_function(self):
         self._in_function = False
         self._current = None
+        if self.at_boundary is not None:
+            self.at_boundary()
         if not self._in_iteration:
             return
         if self._recording:

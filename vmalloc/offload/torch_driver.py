@@ -63,12 +63,19 @@ class PoisonSwap:
         # Weak: the backend must not keep a storage PyTorch has freed alive.
         self._storages[ptr] = weakref.ref(storage)
 
-    def unregister(self, ptr):
-        self._storages.pop(ptr, None)
+    def unregister(self, ptr, storage=None):
+        ref = self._storages.get(ptr)
+        if ref is not None and (storage is None or ref() is None or ref() is storage):
+            del self._storages[ptr]
 
     def _bytes(self, ptr):
+        """A byte view of the storage at ptr, or None if PyTorch has freed it."""
         torch = _torch()
-        return torch.empty(0, dtype=torch.uint8).set_(self._storages[ptr]())
+        ref = self._storages.get(ptr)
+        storage = ref() if ref is not None else None
+        if storage is None:
+            return None
+        return torch.empty(0, dtype=torch.uint8).set_(storage)
 
     def state(self, key):
         return self._state.get(key, "resident")
@@ -79,6 +86,8 @@ class PoisonSwap:
             raise InvalidArgumentError(f"swap_out: {ptr:#x} is {self.state(ptr)}")
         with _disable_current_modes():
             view = self._bytes(ptr)
+            if view is None:
+                raise InvalidArgumentError(f"swap_out: the storage at {ptr:#x} was freed")
             self._host[ptr] = view.clone()
             view.fill_(255)
         self._state[ptr] = "swapping_out"
@@ -101,12 +110,15 @@ class PoisonSwap:
         if state not in ("on_host", "swapping_out"):
             raise InvalidArgumentError(f"swap_in: {key:#x} is {state}")
         with _disable_current_modes():
-            self._bytes(key).copy_(self._host.pop(key))
+            view = self._bytes(key)
+            if view is None:
+                raise InvalidArgumentError(f"swap_in: the storage at {key:#x} was freed")
+            view.copy_(self._host.pop(key))
         if state == "swapping_out":
             del self._state[key]      # cancelled: nothing left in flight
         else:
             self._state[key] = "swapping_in"
-            self._stats["bytes_in"] += self._storages[key]().nbytes()
+            self._stats["bytes_in"] += view.numel()
             self._stats["swap_ins"] += 1
         return key
 
@@ -154,7 +166,7 @@ class _Storages:
             self.driver.runtime.forget(buf)
             backend = self.driver.backend
             if hasattr(backend, "unregister"):
-                backend.unregister(buf.ptr)
+                backend.unregister(buf.ptr)   # only if no live storage took the address
 
 
 class OutOfCore:
@@ -167,10 +179,12 @@ class OutOfCore:
             ``"poison"`` (CPU tensors), or an object with the SwapManager's methods.
         min_bytes: storages smaller than this stay resident and untracked (default 64 KiB).
         device: ``"cuda"`` or ``"cpu"``: which tensors are tracked (default from backend).
+        persistent: ``"resident"`` (default: parameters and optimizer state stay on the
+            device) or ``"swap"`` (they swap too, as in the paper).
     """
 
     def __init__(self, budget=None, scheduler="window", window=None, backend=None,
-                 min_bytes=64 << 10, device=None, allocator=None):
+                 min_bytes=64 << 10, device=None, allocator=None, persistent="resident"):
         torch = _torch()
         if backend is None:
             backend = "cuda" if torch.cuda.is_available() else "poison"
@@ -178,7 +192,8 @@ class OutOfCore:
         if backend == "poison":
             self.backend = PoisonSwap()
             self.runtime = Runtime(None, budget=budget, scheduler=scheduler, window=window,
-                                   swap=self.backend, host_compute=False)
+                                   swap=self.backend, host_compute=False,
+                                   persistent=persistent)
         elif backend == "cuda":
             from vmalloc import get_current_allocator
             from vmalloc.offload import SwapManager
@@ -190,13 +205,16 @@ class OutOfCore:
             self.backend = SwapManager(alloc)
             self.runtime = Runtime(alloc, budget=budget, scheduler=scheduler, window=window,
                                    swap=self.backend, host_compute=False,
-                                   stream=torch.cuda.current_stream().cuda_stream)
+                                   stream=torch.cuda.current_stream().cuda_stream,
+                                   persistent=persistent)
         else:
             self.backend = backend
             self.runtime = Runtime(None, budget=budget, scheduler=scheduler, window=window,
-                                   swap=backend, host_compute=False)
+                                   swap=backend, host_compute=False, persistent=persistent)
         self.min_bytes = int(min_bytes)
         self._storages = _Storages(self)
+        # Storages PyTorch freed are forgotten before the runtime acts at any boundary.
+        self.runtime.at_boundary = self._storages.collect
         self._mode = None
         self._hook = None
         self._optimizers = weakref.WeakSet()
@@ -283,6 +301,7 @@ class OutOfCore:
         """Leaving: every tracked storage back on the device, the backend's copies dropped."""
         rt = self.runtime
         rt.budget = None      # everything comes back, whatever the budget
+        self._storages.collect()
         for buf in list(rt._buffers.values()):
             if buf.where == "swapping_out":
                 rt._wait(buf)
@@ -375,7 +394,8 @@ def _OffloadMode(driver):
 
 
 def out_of_core(budget=None, scheduler="window", window=None, backend=None,
-                min_bytes=64 << 10, device=None, allocator=None) -> OutOfCore:
+                min_bytes=64 << 10, device=None, allocator=None,
+                persistent="resident") -> OutOfCore:
     """Turns on out-of-core training for the steps run inside ``with``::
 
         with vmalloc.torch.out_of_core(budget="12GiB") as ooc:
@@ -384,4 +404,5 @@ def out_of_core(budget=None, scheduler="window", window=None, backend=None,
         print(ooc.stats())
     """
     return OutOfCore(budget=budget, scheduler=scheduler, window=window, backend=backend,
-                     min_bytes=min_bytes, device=device, allocator=allocator)
+                     min_bytes=min_bytes, device=device, allocator=allocator,
+                     persistent=persistent)
