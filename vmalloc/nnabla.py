@@ -514,12 +514,13 @@ class WindowSwapScheduler:
 
         seq = FunctionSequence(name="nnabla")
         order: List[_Array] = []
+        names = _parameter_names()
         for _, reads, writes, _ in self._record:
             for a in reads + writes:
                 if a.vid is None:
                     a.persistent = not a.arr.clear_called
-                    a.vid = seq.add_variable(a.nbytes, persistent=a.persistent,
-                                             name=f"{a.name}#{len(order)}")
+                    name = names.get(a.key) or f"{a.name}#{len(order)}"
+                    a.vid = seq.add_variable(a.nbytes, persistent=a.persistent, name=name)
                     order.append(a)
         for a in self._arrays.values():
             if a.vid is None:
@@ -558,6 +559,20 @@ class WindowSwapScheduler:
             return make_scheduler("window", window=self.window, budget=self.budget,
                                   persistent=self.persistent)
         return make_scheduler(spec)
+
+
+def _parameter_names():
+    """hash(NdArray) -> name for the registered parameters' data and gradients."""
+    try:
+        import nnabla as nn
+        params = nn.get_parameters(grad_only=False)
+    except Exception:  # noqa: BLE001
+        return {}
+    out = {}
+    for name, p in params.items():
+        out[hash(p.data)] = name
+        out[hash(p.grad)] = name + ".grad"
+    return out
 
 
 def _depends(fn, i, j):
