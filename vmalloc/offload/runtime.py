@@ -90,12 +90,13 @@ class Runtime:
             device): every wait is then a host wait. None picks True for a HostDevice.
         host_capacity: passed to the SwapManager (pinned host bytes).
         swap: an existing :class:`~vmalloc.offload.SwapManager` over ``allocator`` to use.
-        persistent: ``"resident"`` (default: parameters and optimizer state stay on the
-            device, counted in the budget) or ``"swap"`` (the paper: they swap like the rest).
+        persistent: ``"resident"`` (parameters and optimizer state stay on the device,
+            counted in the budget), ``"swap"`` (the paper: they swap like the rest) or
+            ``"auto"`` (default: resident if that schedule fits the budget, else swap).
     """
 
     def __init__(self, allocator, budget=None, scheduler="window", window=None, stream=0,
-                 host_compute=None, host_capacity=None, swap=None, persistent="resident"):
+                 host_compute=None, host_capacity=None, swap=None, persistent="auto"):
         from vmalloc._host_device import HostDevice
 
         if allocator is None and swap is None:
@@ -116,9 +117,9 @@ class Runtime:
                 raise InvalidArgumentError("budget must be positive (None: capacity - margin)")
         self.window = None if window is None else parse_size(window, "window")
         self._scheduler_spec = scheduler
-        if persistent not in ("resident", "swap"):
+        if persistent not in ("auto", "resident", "swap"):
             raise InvalidArgumentError(
-                f"persistent must be 'resident' or 'swap', got {persistent!r}")
+                f"persistent must be 'auto', 'resident' or 'swap', got {persistent!r}")
         self.persistent = persistent
         self.stream = stream
         self.host_compute = (isinstance(self.device, HostDevice)
@@ -219,9 +220,16 @@ class Runtime:
         self._iter_allocs.append(buf)
         if self._recording:
             self._record_allocs.append(buf)
-        elif k < len(self._transient_vars):
-            self._var_of_buf[buf.id] = self._transient_vars[k]
-            self._buf_of_var[self._transient_vars[k]] = buf
+        elif self._following and k < len(self._transient_vars):
+            v = self._transient_vars[k]
+            recorded = self._sequence.variables[v].nbytes
+            if buf.nbytes > recorded:
+                # Larger than planned: the schedule's budget no longer holds.
+                self._diverge(f"allocation {k} of the iteration has {buf.nbytes} bytes; the "
+                              f"record has {recorded}")
+                return
+            self._var_of_buf[buf.id] = v
+            self._buf_of_var[v] = buf
 
     def deallocate(self, buf: Buffer) -> None:
         """Frees a buffer in any state (waits for its copies in flight)."""
@@ -325,7 +333,9 @@ class Runtime:
         while True:
             if self._fits(n):
                 try:
-                    return self.allocator.allocate(n, stream=self.stream)
+                    # Through the manager: it never hands out the address of a relocated
+                    # allocation that is on the host (that address names it there).
+                    return self.swap.allocate(n, stream=self.stream)
                 except OutOfMemoryError:
                     if not self._evict_one(n):
                         raise
@@ -507,22 +517,25 @@ class Runtime:
         for buf in self._record_persistent:
             buf.var = var_of.get(id(buf))
         self._transient_vars = [var_of[id(b)] for b in self._record_allocs]
-        try:
-            self._schedule = self._make_scheduler().schedule(seq)
-            if self.budget is not None:
-                self._schedule.check(seq, self.budget)
-            self.last_schedule_error = None
-        except Exception as error:  # noqa: BLE001 - any scheduler failure: run on demand
-            from vmalloc.offload.schedule import ScheduleError
-            if not isinstance(error, (ScheduleError, OutOfMemoryError)):
-                raise
-            self._schedule = None
-            self.last_schedule_error = error
+        from vmalloc.offload.schedule import ScheduleError
+        modes = ["resident", "swap"] if self.persistent == "auto" else [self.persistent]
+        for mode in modes:
+            try:
+                self._schedule = self._make_scheduler(mode).schedule(seq)
+                if self.budget is not None:
+                    self._schedule.check(seq, self.budget)
+                self.last_schedule_error = None
+                break
+            except ScheduleError as error:
+                # This budget cannot be scheduled (so): run on demand, which evicts as needed.
+                self._schedule = None
+                self.last_schedule_error = error
+        if self._schedule is None:
             self._stats["schedule_failures"] += 1
         if had_schedule:
             self._stats["reschedules"] += 1
 
-    def _make_scheduler(self):
+    def _make_scheduler(self, persistent):
         spec = self._scheduler_spec
         if hasattr(spec, "schedule"):
             return spec
@@ -530,7 +543,7 @@ class Runtime:
         if spec == "window":
             budget = self.budget if self.budget is not None else 1 << 62
             return make_scheduler("window", window=self.window or budget, budget=budget,
-                                  persistent=self.persistent)
+                                  persistent=persistent)
         if spec == "none":
             return make_scheduler("none")
         return make_scheduler(spec)

@@ -132,6 +132,60 @@ class PoisonSwap:
         return out
 
 
+class CudaSwap:
+    """The ``"cuda"`` backend: the :class:`~vmalloc.offload.SwapManager` over the vmalloc
+    allocator PyTorch allocates from, keyed by storage pointers (stable on the virtual
+    allocator). While a storage is not resident the backend holds it, so PyTorch cannot free
+    memory whose bytes are on the host; the hold ends when its swap-in is waited."""
+
+    def __init__(self, manager):
+        self.manager = manager
+        self._weak = {}     # ptr -> storage weakref
+        self._held = {}     # ptr -> storage, while not resident
+
+    def register(self, ptr, storage):
+        self._weak[ptr] = weakref.ref(storage)
+
+    def unregister(self, ptr, storage=None):
+        if ptr not in self._held:
+            self._weak.pop(ptr, None)
+
+    def state(self, key):
+        return self.manager.state(key)
+
+    def swap_out(self, ptr, stream=0):
+        ref = self._weak.get(ptr)
+        storage = ref() if ref is not None else None
+        self.manager.swap_out(ptr, stream=stream)
+        if storage is not None:
+            self._held[ptr] = storage
+        return ptr
+
+    def wait(self, key, stream=0):
+        swapping_in = self.manager.state(key) == "swapping_in"
+        self.manager.wait(key, stream=stream)
+        if swapping_in:
+            self._held.pop(key, None)
+
+    def swap_in(self, key, stream=0):
+        ptr = self.manager.swap_in(key, stream=stream)
+        if ptr != key:
+            raise InvalidArgumentError(
+                f"the storage at {key:#x} was relocated to {ptr:#x}: PyTorch's pointers must "
+                "not move; use the virtual allocator (chunk placement) and min_bytes above "
+                "its small_threshold")
+        if self.manager.state(ptr) == "resident":
+            self._held.pop(ptr, None)
+        return ptr
+
+    def discard(self, key):
+        # A held storage cannot have been freed; nothing else reaches here.
+        self._held.pop(key, None)
+
+    def stats(self):
+        return self.manager.stats()
+
+
 class _Storages:
     """Storage -> runtime buffer, with finalizers that report freed storages."""
 
@@ -202,7 +256,7 @@ class OutOfCore:
                 raise InvalidArgumentError(
                     "backend='cuda' needs PyTorch to allocate from vmalloc: call "
                     "vmalloc.torch.use_vmalloc(...) before the first CUDA tensor")
-            self.backend = SwapManager(alloc)
+            self.backend = CudaSwap(SwapManager(alloc))
             self.runtime = Runtime(alloc, budget=budget, scheduler=scheduler, window=window,
                                    swap=self.backend, host_compute=False,
                                    stream=torch.cuda.current_stream().cuda_stream,
