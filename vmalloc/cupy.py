@@ -184,7 +184,8 @@ class use_vmalloc:
 # CuPy has no per-op hooks, so a program marks its functions itself with the runtime's
 # ``function`` blocks; these helpers make the runtime and CuPy arrays over its buffers.
 
-def out_of_core(allocator=None, budget=None, scheduler="window", window=None, device=None):
+def out_of_core(allocator=None, budget=None, scheduler="window", window=None, device=None,
+                stream=None):
     """A :class:`vmalloc.offload.Runtime` for CuPy programs: over ``allocator`` (default: the
     current vmalloc allocator of ``device``, or of CuPy's current device), with CuPy's current
     stream as the compute stream. Mark each block of work::
@@ -196,7 +197,8 @@ def out_of_core(allocator=None, budget=None, scheduler="window", window=None, de
             with rt.function(reads=[w], writes=[x], name="init") as p:
                 vmalloc.cupy.array(p, x, (n, n))[...] = vmalloc.cupy.array(p, w, (n, n)) * 2
 
-    Swaps run on the SwapManager's own streams, ordered after CuPy's stream with events.
+    Swaps run on the SwapManager's own streams, ordered after the compute ``stream`` (default:
+    CuPy's current stream) with events.
     """
     from vmalloc.offload.runtime import Runtime
 
@@ -208,7 +210,10 @@ def out_of_core(allocator=None, budget=None, scheduler="window", window=None, de
         if allocator is None:
             raise VmallocError(f"device {device} has no current vmalloc allocator: pass "
                                "allocator=..., or call vmalloc.cupy.use_vmalloc(...) first")
-    stream = cupy.cuda.get_current_stream().ptr
+    if stream is None:
+        stream = cupy.cuda.get_current_stream().ptr
+    elif not isinstance(stream, int):
+        stream = stream.ptr
     return Runtime(allocator, budget=budget, scheduler=scheduler, window=window, stream=stream,
                    host_compute=False)
 

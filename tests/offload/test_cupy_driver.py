@@ -1,0 +1,48 @@
+"""vmalloc.cupy's out-of-core helpers: the runtime over a vmalloc allocator and CuPy arrays
+over its buffers. CuPy imports without a GPU; its kernels do not run here, so these tests
+check what is built (pointers, shapes, errors), and the runtime's logic is tested with NumPy
+in test_runtime.py."""
+
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+import vmalloc  # noqa: E402
+import vmalloc.cupy as vcupy  # noqa: E402
+from vmalloc.errors import InvalidArgumentError, VmallocError  # noqa: E402
+
+MiB = 1 << 20
+
+
+def make_runtime(**kw):
+    dev = vmalloc.HostDevice(capacity="64MiB", granularity="2MiB")
+    return vcupy.out_of_core(vmalloc.VirtualAllocator(dev), stream=0, **kw)
+
+
+def test_arrays_view_the_buffers_of_a_function():
+    rt = make_runtime(budget="16MiB")
+    w = rt.allocate(4 * MiB)
+    with rt.iteration():
+        x = rt.allocate(2 * MiB)
+        with rt.function(reads=[w], writes=[x], name="f") as p:
+            a = vcupy.array(p, w, (1024, 1024), "float32")
+            b = vcupy.array(p, x, (512, 1024))
+            assert a.data.ptr == p[w] == w.ptr
+            assert b.data.ptr == p[x]
+            assert a.shape == (1024, 1024) and a.dtype == cupy.float32
+            assert b.nbytes == 2 * MiB
+    assert rt.stream == 0
+    assert rt.host_compute is False
+
+
+def test_an_array_larger_than_its_buffer_is_refused():
+    rt = make_runtime()
+    w = rt.allocate(MiB)
+    with rt.function(reads=[w]) as p:
+        with pytest.raises(InvalidArgumentError, match=r"needs 4194304 bytes; buffer \d+ has 1048576"):
+            vcupy.array(p, w, (1024, 1024), "float32")
+
+
+def test_no_current_allocator_is_a_clear_error():
+    with pytest.raises(VmallocError, match="no current vmalloc allocator"):
+        vcupy.out_of_core(device=7, stream=0)
