@@ -22,7 +22,7 @@ BATCHES = {"resnet50": (32, 64, 128, 190, 256), "densenet121": (32, 64, 128, 256
 def record_model(name):
     import torch
 
-    from vmalloc.offload.record import record
+    from vmalloc.offload.recorder import record
     from vmalloc.offload.torch_models import build
 
     with torch.device("meta"):

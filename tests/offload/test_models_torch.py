@@ -5,7 +5,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from vmalloc.offload import model_sequence  # noqa: E402
-from vmalloc.offload.record import record  # noqa: E402
+from vmalloc.offload.recorder import record  # noqa: E402
 from vmalloc.offload.torch_models import BUILDERS, build  # noqa: E402
 
 

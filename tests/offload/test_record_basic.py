@@ -1,4 +1,4 @@
-"""vmalloc.offload.record: one training iteration of a tiny module, checked op by op."""
+"""vmalloc.offload.recorder: one training iteration of a tiny module, checked op by op."""
 
 import pytest
 
@@ -8,7 +8,7 @@ F = torch.nn.functional
 
 from vmalloc.errors import InvalidArgumentError  # noqa: E402
 from vmalloc.offload import FunctionSequence  # noqa: E402
-from vmalloc.offload.record import RecordingError, record  # noqa: E402
+from vmalloc.offload.recorder import RecordingError, record  # noqa: E402
 
 
 class Tiny(nn.Module):
@@ -239,9 +239,9 @@ def test_record_roundtrips_through_a_file(tmp_path):
     assert back.to_dict() == seq.to_dict()
 
 
-def test_package_attribute_is_callable():
+def test_package_attribute_is_the_function():
     import vmalloc.offload as off
-    import vmalloc.offload.record  # noqa: F401  (sets the package attribute to the module)
+    import vmalloc.offload.recorder  # noqa: F401  (the module has its own name)
 
     with torch.device("meta"):
         model = Tiny()

@@ -5,7 +5,6 @@ Every tensor of the NumPy programs lives in vmalloc memory; a swapped-out buffer
 every function found its buffers resident with their bytes intact.
 """
 
-import ctypes
 import subprocess
 import sys
 import textwrap

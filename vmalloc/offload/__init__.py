@@ -43,7 +43,8 @@ _EXPORTS = {
     "max_batch": "planner",
     "model_sequence": "models",
     "MODELS": "models",
-    "record": "record",
+    "record": "recorder",
+    "RecordingError": "recorder",
 }
 
 __all__ = sorted(_EXPORTS)

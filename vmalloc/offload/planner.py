@@ -19,7 +19,7 @@ then bisection).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Union
+from typing import Callable, Optional
 
 from vmalloc.errors import InvalidArgumentError
 from vmalloc.offload.gpus import get_gpu

@@ -18,7 +18,6 @@ runs a new schedule (``stats()["reschedules"]``).
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from typing import Dict, Iterable, List, Optional
 

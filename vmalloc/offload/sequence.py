@@ -22,11 +22,10 @@ The file format (``save``/``load``; gzip when the name ends in ``.gz``) is docum
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import os
 import zlib
-from typing import Iterable, List, NamedTuple, Optional, Sequence
+from typing import Iterable, List, NamedTuple, Optional
 
 from vmalloc.errors import InvalidArgumentError, VmallocError
 from vmalloc.sizes import MAX_SIZE, parse_size
@@ -102,7 +101,7 @@ class FunctionSequence:
         y = seq.add_variable(1 << 20)
         seq.add_function(inputs=[x, w], outputs=[y], flops=2e9, name="matmul")
 
-    or record it from PyTorch (:mod:`vmalloc.offload.record`), or load a saved one.
+    or record it from PyTorch (:mod:`vmalloc.offload.recorder`), or load a saved one.
     """
 
     def __init__(self, name: str = "", batch: Optional[int] = None, meta: Optional[dict] = None):

@@ -25,7 +25,7 @@ iteration to the next by the order in which they first appear.
 from __future__ import annotations
 
 import weakref
-from typing import List, Optional
+from typing import List
 
 from vmalloc.errors import InvalidArgumentError
 from vmalloc.offload.runtime import Runtime
@@ -365,7 +365,6 @@ class OutOfCore:
                 rt._wait(buf)
 
     def _dispatch(self, func, args, kwargs):
-        torch = _torch()
         from torch.utils._pytree import tree_flatten
         if func.is_view or func.overloadpacket.__name__ in _SKIP:
             return func(*args, **kwargs)

@@ -2,7 +2,7 @@
 
 Written with ``torch.nn`` only (torchvision's PyPI wheels are CUDA builds that do not import on
 a CPU-only torch). Each model comes with ``inputs_fn(batch)`` (returning ``(args, target)`` as
-:func:`vmalloc.offload.record.record` takes them) and a cross-entropy loss:
+:func:`vmalloc.offload.recorder.record` takes them) and a cross-entropy loss:
 
 =============  ==============================================================  ===========
 name           model                                                            parameters
@@ -22,7 +22,6 @@ gpt2-medium    GPT-2 medium: 24 layers, d_model 1024, 16 heads, context 1024,   
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn as nn

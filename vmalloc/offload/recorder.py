@@ -31,8 +31,6 @@ torch is imported when :func:`record` is called, not when this module is importe
 from __future__ import annotations
 
 import copy
-import sys
-import types
 from typing import Callable, Optional, Sequence
 
 from vmalloc.errors import InvalidArgumentError, VmallocError
@@ -440,14 +438,3 @@ def _scaled(name, v1, f1, v2, f2, b1, b2, batch):
                                  f"batch {batch}")
         seq.add_function(a[1], a[2], flops=flops, name=a[0], per_sample_flops=psf)
     return seq
-
-
-class _CallableModule(types.ModuleType):
-    """``vmalloc.offload.record`` is both this module and the function: once the submodule is
-    imported, the package attribute ``record`` is the module, so make the module callable."""
-
-    def __call__(self, *args, **kwargs):
-        return record(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
