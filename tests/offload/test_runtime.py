@@ -263,3 +263,24 @@ def test_random_programs_compute_what_they_compute_in_core(data, kind):
     rt = runtime(kind, budget + 16 * MiB, budget=budget)
     assert program(rt) == ref
     assert rt.stats()["peak_device_bytes"] <= budget
+
+
+def test_vmalloc_offload_train_prints_one_json_object(capsys):
+    import json
+
+    from vmalloc.cli import main
+
+    assert main(["offload", "train", "--network", "cnn", "--steps", "2", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["identical"] is True
+    assert r["capacity_bytes"] <= r["in_core_peak_bytes"] // 2
+    assert r["in_core_losses"] == r["out_of_core_losses"]
+    assert r["stats"]["swapped_out_bytes"] > 0
+
+
+def test_vmalloc_offload_train_refuses_one_step(capsys):
+    from vmalloc.cli import main
+
+    assert main(["offload", "train", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--steps must be at least 2" in err and len(err.strip().splitlines()) == 1

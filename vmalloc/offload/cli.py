@@ -47,11 +47,13 @@ def add_parser(sub):
     from vmalloc.offload.schedulers import SCHEDULERS
     from vmalloc.offload.simulator import ALLOCATORS
 
-    p = sub.add_parser("offload", help="simulate out-of-core training (swap schedules) on a "
-                                       "model of a GPU",
-                       description="Simulate out-of-core training: a model's training "
-                                   "iteration under a swap schedule on a model of a GPU, every "
-                                   "allocation through a real vmalloc allocator.")
+    p = sub.add_parser("offload", help="out-of-core training: train on the emulated device, "
+                                       "or simulate swap schedules on a model of a GPU",
+                       description="Out-of-core training: train a NumPy network under half its "
+                                   "in-core memory on the emulated device (train), or simulate "
+                                   "a model's training iteration under a swap schedule on a "
+                                   "model of a GPU, every allocation through a real vmalloc "
+                                   "allocator (simulate, table).")
     osub = p.add_subparsers(dest="offload_command", metavar="SUBCOMMAND")
     osub.required = True
 
@@ -79,6 +81,15 @@ def add_parser(sub):
                         f"{','.join(map(str, TABLE_BATCHES))}; for other models 1/2, 2, 4, "
                         "8 and 10 times the in-core limit)")
     t.add_argument("--json", action="store_true", help="print one JSON object")
+
+    r = osub.add_parser("train", help="train a NumPy network out of core on the emulated "
+                                      "device, under half its in-core memory")
+    r.add_argument("--network", choices=("mlp", "cnn"), default="mlp")
+    r.add_argument("--steps", type=int, default=4)
+    r.add_argument("--allocator", choices=("virtual", "packed", "caching"), default="virtual")
+    r.add_argument("--fraction", type=float, default=0.5,
+                   help="device capacity as a fraction of the in-core peak (default 0.5)")
+    r.add_argument("--json", action="store_true", help="print one JSON object")
 
     osub.add_parser("models", help="list the shipped model sequences")
     osub.add_parser("gpus", help="list the GPU models")
@@ -271,8 +282,42 @@ def _gpus(args):
     return 0
 
 
+def _train(args):
+    import json
+
+    from vmalloc.offload.numpy_training import compare
+    from vmalloc.sizes import format_size
+
+    if args.steps < 2:
+        raise OffloadCliError(f"--steps must be at least 2 (one recorded iteration, one "
+                              f"scheduled), got {args.steps}")
+    if not 0 < args.fraction <= 1:
+        raise OffloadCliError(f"--fraction must be in (0, 1], got {args.fraction}")
+    r = compare(args.network, args.steps, args.fraction, args.allocator)
+    if args.json:
+        print(json.dumps(r))
+        return 0 if r["identical"] else 1
+    st = r["stats"]
+    print(f"{r['network']} on the emulated device ({r['allocator']} allocator): in-core peak "
+          f"{format_size(r['in_core_peak_bytes'])}; out of core on a device of "
+          f"{format_size(r['capacity_bytes'])} (budget {format_size(r['budget_bytes'])})")
+    print(f"  losses in core     {[round(x, 6) for x in r['in_core_losses']]}  "
+          f"({r['in_core_seconds']:.2f} s)")
+    print(f"  losses out of core {[round(x, 6) for x in r['out_of_core_losses']]}  "
+          f"({r['out_of_core_seconds']:.2f} s)")
+    print(f"  losses and final weights bit-identical: {r['identical']}")
+    print(f"  peak device bytes {format_size(st['peak_device_bytes'])}, swapped out "
+          f"{format_size(st['swapped_out_bytes'])}, swapped in "
+          f"{format_size(st['swapped_in_bytes'])}")
+    print(f"  iterations {st['iterations']} (recorded {st['recorded_iterations']}, scheduled "
+          f"{st['scheduled_iterations']}): scheduled swap-outs {st['scheduled_swap_outs']}, "
+          f"swap-ins {st['scheduled_swap_ins']}, on demand {st['on_demand_swap_ins']}")
+    print("Simulate a GPU: vmalloc offload table --model resnet50 --gpu v100-16gb")
+    return 0 if r["identical"] else 1
+
+
 def run(args):
     """Runs the parsed ``offload`` command; returns the exit status. Raises OffloadCliError
     (and VmallocError, OSError) for the caller to print as one line."""
-    return {"simulate": _simulate, "table": _table, "models": _models,
+    return {"simulate": _simulate, "table": _table, "train": _train, "models": _models,
             "gpus": _gpus}[args.offload_command](args)

@@ -309,3 +309,54 @@ def train(rt, network="mlp", batch=64, steps=4, lr=0.05, momentum=0.9, seed=0,
         with rt.iteration():
             losses.append(net.step(xs[i, :b], ys[i, :b], lr, momentum))
     return TrainResult(losses, net.weights(), rt.stats())
+
+
+#: The configurations ``vmalloc offload train`` and the example run.
+CONFIGS = {
+    "mlp": dict(network="mlp", batch=4096, sizes=(1024, 1024, 1024, 10), lr=0.01),
+    "cnn": dict(network="cnn", batch=32, channels=(3, 16, 16, 16, 16, 16, 32), size=16,
+                lr=0.01),
+}
+
+_ALLOCATORS = ("virtual", "packed", "caching")
+
+
+def compare(network="mlp", steps=4, fraction=0.5, allocator="virtual") -> dict:
+    """Trains ``network`` in core, then out of core on a device of ``fraction`` of the in-core
+    peak (rounded down to 2 MiB); returns both runs' losses, whether losses and weights are
+    bit-identical, the runtime's statistics and the seconds each run took."""
+    import time
+
+    import vmalloc
+    from vmalloc.offload.runtime import Runtime
+
+    if network not in CONFIGS:
+        raise ValueError(f"network must be one of {', '.join(CONFIGS)}, got {network!r}")
+    if allocator not in _ALLOCATORS:
+        raise ValueError(f"allocator must be one of {', '.join(_ALLOCATORS)}, got {allocator!r}")
+    config = CONFIGS[network]
+
+    def make(capacity, scheduler):
+        dev = vmalloc.HostDevice(capacity=capacity, granularity="2MiB")
+        alloc = {"virtual": lambda: vmalloc.VirtualAllocator(dev, chunk_size="2MiB"),
+                 "packed": lambda: vmalloc.VirtualAllocator(dev, placement="packed"),
+                 "caching": lambda: vmalloc.CachingAllocator(dev)}[allocator]()
+        return Runtime(alloc, scheduler=scheduler)
+
+    rt_in = make("4GiB", "none")
+    t0 = time.perf_counter()
+    ref = train(rt_in, steps=steps, **config)
+    in_seconds = time.perf_counter() - t0
+    peak = rt_in.stats()["peak_device_bytes"]
+    capacity = int(peak * fraction) // (2 << 20) * (2 << 20)
+    rt_out = make(capacity, "window")
+    t0 = time.perf_counter()
+    out = train(rt_out, steps=steps, **config)
+    out_seconds = time.perf_counter() - t0
+    stats = rt_out.stats()
+    stats.pop("swap", None)
+    return dict(network=network, allocator=allocator, steps=steps,
+                in_core_peak_bytes=peak, capacity_bytes=capacity, budget_bytes=rt_out.budget,
+                in_core_losses=ref.losses, out_of_core_losses=out.losses,
+                identical=out.losses == ref.losses and out.weights == ref.weights,
+                in_core_seconds=in_seconds, out_of_core_seconds=out_seconds, stats=stats)
