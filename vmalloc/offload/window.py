@@ -105,7 +105,7 @@ class WindowScheduler:
         for i in range(n - 1, -1, -1):
             f = functions[i]
             ins = f.inputs
-            vs = [v for v in f.uses if managed[v]]
+            vs = [v for v in dict.fromkeys(ins + f.outputs) if managed[v]]
             rd = [v in ins for v in vs]
             fman[i] = vs
             fread[i] = rd
