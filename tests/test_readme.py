@@ -30,3 +30,8 @@ def test_readme_test_command_is_what_ci_runs():
     assert 'pip install ".[test]" && pytest' in commands
     ci = (README.parent / ".ci" / "run").read_text()
     assert 'pip install ".[test]" && pytest\n' in ci
+
+
+def test_readme_main_job_is_out_of_core_training():
+    commands = [b.strip() for b in _blocks("sh")]
+    assert "pip install . && vmalloc offload train" in commands
