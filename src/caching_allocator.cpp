@@ -88,6 +88,9 @@ CachingAllocator::CachingAllocator(std::shared_ptr<Device> device,
        options_.max_split_size > max_request_bytes))
     throw InvalidArgument("CachingAllocator: max_split_size and max_non_split_rounding_size "
                           "must not exceed vmalloc's limit of 2**56 bytes");
+  if (options_.expandable_segments && !pytorch)
+    throw InvalidArgument("CachingAllocator: expandable_segments is an option of the 'pytorch' "
+                          "policy; the '" + policy + "' policy has none");
   if (options_.budget > max_request_bytes)
     throw InvalidArgument("CachingAllocator: budget " + bytes(options_.budget) +
                           " is larger than vmalloc's limit of 2**56 bytes");
@@ -148,7 +151,8 @@ stream_t CachingAllocator::pool_stream(stream_t stream) const noexcept {
 
 bool CachingAllocator::should_split(const Block& block, std::size_t rounded) const noexcept {
   const std::size_t remaining = block.size - rounded;
-  if (block.segment->small || options_.policy == CachingPolicy::cupy)
+  if (block.segment->small || options_.policy == CachingPolicy::cupy ||
+      options_.expandable_segments)
     return remaining >= kMinBlockSize;
   if (options_.policy == CachingPolicy::pytorch && rounded >= options_.max_split_size)
     return false;
@@ -171,15 +175,19 @@ device_ptr CachingAllocator::allocate(std::size_t nbytes, stream_t stream) {
   Block* block = take_free_block(pool, stream, rounded);
   if (block == nullptr) {
     const std::size_t seg_size = segment_size(rounded);
-    block = create_segment(seg_size, small, stream);
+    // PyTorch's alloc_block: a new segment, or with expandable segments more pages mapped.
+    auto grow = [&] {
+      return options_.expandable_segments ? alloc_expandable(small, stream, rounded, seg_size)
+                                          : create_segment(seg_size, small, stream);
+    };
+    block = grow();
     // PyTorch's order: free cached oversize blocks (only with max_split_size), then every
     // cached segment that is entirely free, retrying after each.
-    if (block == nullptr && release_oversize_blocks(pool, stream, rounded))
-      block = create_segment(seg_size, small, stream);
+    if (block == nullptr && release_oversize_blocks(pool, stream, rounded)) block = grow();
     if (block == nullptr) {
       ++alloc_retries_;
       release_all_free_segments();
-      block = create_segment(seg_size, small, stream);
+      block = grow();
     }
     if (block == nullptr) {
       ++stats_.out_of_memory_count;
@@ -223,6 +231,18 @@ CachingAllocator::Block* CachingAllocator::take_free_block(detail::BlockPool& po
   const stream_t key_stream = pool_stream(stream);
   auto it = pool.lower_bound(detail::BlockOrder::Key{key_stream, rounded, 0});
   if (it == pool.end() || (*it)->pool_stream != key_stream) return nullptr;
+  if (options_.expandable_segments) {
+    // PyTorch's get_free_block: a block followed by unmapped space counts, for best fit, at
+    // the size it can grow to, so a larger block that cannot grow may be preferred.
+    auto expandable_size = [](const Block* b) {
+      const Block* n = b->segment->next(b);
+      return b->size + (n != nullptr && !n->mapped ? n->size : 0);
+    };
+    for (auto next = std::next(it); next != pool.end() && (*next)->pool_stream == key_stream &&
+                                    expandable_size(*next) < expandable_size(*it);
+         ++next)
+      it = next;
+  }
   if (options_.policy == CachingPolicy::pytorch) {
     const std::size_t max_split = options_.max_split_size;
     // Smaller requests never take an oversize block...
@@ -246,7 +266,7 @@ CachingAllocator::Block* CachingAllocator::create_segment(std::size_t size, bool
     return nullptr;  // the device is full: the caller frees cache and retries
   }
   Segment* s = segment.get();
-  const device_ptr ptr = s->memory.ptr();
+  const device_ptr ptr = s->ptr();
   s->blocks.emplace_back(ptr, size, stream, pool_stream(stream), s);
   Block* block = &s->blocks.back();
   block->self = std::prev(s->blocks.end());
@@ -267,12 +287,187 @@ void CachingAllocator::split(Block* block, std::size_t rounded) {
   pool_of(*s).insert(&*rest_it);
 }
 
+// ---- expandable segments ----
+
+std::size_t CachingAllocator::expandable_page_size(bool small) const noexcept {
+  return round_up(small ? kSmallBuffer : kLargeBuffer, device_->granularity());
+}
+
+CachingAllocator::Block* CachingAllocator::alloc_expandable(bool small, stream_t stream,
+                                                            std::size_t rounded,
+                                                            std::size_t seg_size) {
+  // PyTorch's alloc_block checks the memory fraction against the size a fixed segment would
+  // have (alloc_size), then maps only what the request needs.
+  if (options_.budget != 0 && stats_.reserved_bytes + seg_size > options_.budget) return nullptr;
+  detail::BlockPool& pool = small ? small_pool_ : large_pool_;
+  Block* candidate = find_expandable_block(small, stream, rounded);
+  if (candidate == nullptr) return nullptr;
+  // The candidate starts a run of free and unmapped blocks of at least `rounded` bytes; map
+  // the unmapped ones in turn, each merging with the free block before it.
+  if (!candidate->mapped && !map_block(candidate, std::min(candidate->size, rounded)))
+    return nullptr;
+  while (candidate->size < rounded) {
+    Block* next = candidate->segment->next(candidate);
+    if (!map_block(next, std::min(rounded - candidate->size, next->size))) return nullptr;
+    candidate = next;  // map_block merged the old candidate into it
+  }
+  pool.erase(candidate);
+  return candidate;
+}
+
+CachingAllocator::Block* CachingAllocator::find_expandable_block(bool small, stream_t stream,
+                                                                 std::size_t size) {
+  detail::UnmappedPool& unmapped = small ? small_unmapped_ : large_unmapped_;
+  const stream_t key_stream = pool_stream(stream);
+  auto allocatable = [](const Block* b) {
+    return b != nullptr && !b->allocated && b->pending_events == 0 && b->stream_uses.empty();
+  };
+  for (auto it = unmapped.lower_bound(detail::AddressOrder::Key{key_stream, 0});
+       it != unmapped.end() && (*it)->pool_stream == key_stream; ++it) {
+    Block* c = *it;
+    // A free block just before the unmapped space can be used too.
+    if (Block* prev = c->segment->prev(c); allocatable(prev)) c = prev;
+    std::size_t bytes = 0;
+    for (const Block* b = c; bytes < size && allocatable(b); b = b->segment->next(b))
+      bytes += b->size;
+    if (bytes >= size) return c;
+  }
+  // No segment of this stream and pool has room: reserve a new one, of 9/8 of the device's
+  // memory like PyTorch, in whole pages.
+  const std::size_t page = expandable_page_size(small);
+  const std::size_t capacity = device_->capacity();
+  const std::size_t space =
+      capacity == 0 ? kUnlimitedExpandableSpace : capacity + capacity / 8;
+  const std::size_t reserve = round_up(space, page);
+  if (size > reserve) return nullptr;  // can never be mapped: out of memory at once
+  std::unique_ptr<Segment> segment;
+  try {
+    segment = std::make_unique<Segment>(*device_, reserve, page, small, stream);
+  } catch (const OutOfMemory&) {
+    return nullptr;
+  }
+  Segment* s = segment.get();
+  s->blocks.emplace_back(s->ptr(), reserve, stream, key_stream, s);
+  Block* block = &s->blocks.back();
+  block->self = std::prev(s->blocks.end());
+  block->mapped = false;
+  segments_.emplace(s->ptr(), std::move(segment));
+  unmapped.insert(block);
+  return block;
+}
+
+bool CachingAllocator::map_block(Block* to_map, std::size_t size) {
+  Segment* s = to_map->segment;
+  detail::ExpandableMemory& memory = *s->expandable;
+  const std::size_t page = memory.page_size();
+  const std::size_t first = (to_map->ptr - s->ptr()) / page;
+  const std::size_t last = (to_map->ptr + size - s->ptr() + page - 1) / page;
+  if (!memory.map(first, last)) return false;  // the device is out of memory
+  const std::size_t mapped = (last - first) * page;
+
+  unmapped_of(*s).erase(to_map);
+  to_map->mapped = true;
+  if (mapped < to_map->size) {  // the rest stays unmapped
+    auto rest = s->blocks.emplace(std::next(to_map->self), to_map->ptr + mapped,
+                                  to_map->size - mapped, to_map->stream, to_map->pool_stream, s);
+    rest->self = rest;
+    rest->mapped = false;
+    unmapped_of(*s).insert(&*rest);
+    to_map->size = mapped;
+  }
+  return_to_pool(to_map);  // merges with free mapped neighbours, into the pool
+  stats_.reserved_bytes += mapped;
+  ++segments_created_;  // PyTorch counts each map in num_device_alloc
+  note_peaks();
+  return true;
+}
+
+std::size_t CachingAllocator::unmap_block(Block* block) {
+  Segment* s = block->segment;
+  const std::size_t page = s->expandable->page_size();
+  // Only the pages entirely inside the block.
+  const std::size_t first = (block->ptr - s->ptr() + page - 1) / page;
+  const std::size_t last = (block->ptr + block->size - s->ptr()) / page;
+  if (first >= last) return 0;
+  // cuMemUnmap does not wait for queued work, so wait first (PyTorch synchronizes too).
+  device_->synchronize();
+  std::size_t done = 0;
+  try {
+    s->expandable->unmap(first, last, done);
+  } catch (...) {
+    if (done > 0) apply_unmap(block, first, first + done);
+    throw;
+  }
+  apply_unmap(block, first, last);
+  return (last - first) * page;
+}
+
+void CachingAllocator::apply_unmap(Block* block, std::size_t first, std::size_t last) {
+  Segment* s = block->segment;
+  const std::size_t page = s->expandable->page_size();
+  const device_ptr begin = s->ptr() + first * page;
+  const std::size_t size = (last - first) * page;
+  detail::BlockPool& pool = pool_of(*s);
+  detail::UnmappedPool& unmapped = unmapped_of(*s);
+  pool.erase(block);
+  // The mapped parts before and after the unmapped pages stay free blocks.
+  if (begin > block->ptr) {
+    auto before = s->blocks.emplace(block->self, block->ptr, begin - block->ptr, block->stream,
+                                    block->pool_stream, s);
+    before->self = before;
+    pool.insert(&*before);
+  }
+  if (const device_ptr end = block->ptr + block->size; end > begin + size) {
+    auto after = s->blocks.emplace(std::next(block->self), begin + size, end - (begin + size),
+                                   block->stream, block->pool_stream, s);
+    after->self = after;
+    pool.insert(&*after);
+  }
+  block->ptr = begin;
+  block->size = size;
+  block->mapped = false;
+  // Merge with unmapped neighbours.
+  if (Block* prev = s->prev(block); prev != nullptr && !prev->mapped) {
+    unmapped.erase(prev);
+    block->ptr = prev->ptr;
+    block->size += prev->size;
+    s->blocks.erase(prev->self);
+  }
+  if (Block* next = s->next(block); next != nullptr && !next->mapped) {
+    unmapped.erase(next);
+    block->size += next->size;
+    s->blocks.erase(next->self);
+  }
+  unmapped.insert(block);
+  stats_.reserved_bytes -= size;
+  ++segments_released_;
+}
+
+std::size_t CachingAllocator::release_expandable(std::vector<Block*> blocks) {
+  std::size_t released = 0;
+  for (Block* b : blocks) {
+    // Unmapping merges only unmapped blocks, and free mapped blocks are never neighbours, so
+    // every gathered block is still alive here.
+    released += unmap_block(b);
+    Segment* s = b->segment;
+    if (!b->mapped && s->unsplit()) {
+      // PyTorch's release_expandable_segment: nothing mapped is left; free the reservation.
+      s->expandable->free();  // may throw DeviceError: the segment then stays, unmapped
+      unmapped_of(*s).erase(b);
+      segments_.erase(s->ptr());
+    }
+  }
+  return released;
+}
+
 // ---- freeing cache ----
 
 bool CachingAllocator::release_oversize_blocks(detail::BlockPool& pool, stream_t stream,
                                                std::size_t rounded) {
   // PyTorch's release_available_cached_blocks: only meaningful with max_split_size.
-  if (options_.policy != CachingPolicy::pytorch ||
+  // Not modeled with expandable segments (documented): their blocks are unmapped page by
+  // page, never freed as a whole, so this step is skipped.
+  if (options_.policy != CachingPolicy::pytorch || options_.expandable_segments ||
       options_.max_split_size == CachingAllocatorOptions::unlimited)
     return false;
   const stream_t key_stream = pool_stream(stream);
@@ -310,6 +505,12 @@ std::size_t CachingAllocator::release_all_free_segments() {
   // PyTorch's release_cached_blocks: first let frees waiting for other streams complete.
   pending_.synchronize_all([this](Block* b) { return_to_pool(b); });
   ++cache_flushes_;
+  if (options_.expandable_segments) {
+    // PyTorch's release_blocks, large pool first: every free block gives back its whole pages.
+    std::vector<Block*> blocks(large_pool_.begin(), large_pool_.end());
+    blocks.insert(blocks.end(), small_pool_.begin(), small_pool_.end());
+    return release_expandable(std::move(blocks));
+  }
   std::vector<Segment*> victims;
   for (auto& [ptr, segment] : segments_)
     if (segment->unsplit() && segment->blocks.front().is_free()) victims.push_back(segment.get());
@@ -324,10 +525,10 @@ std::size_t CachingAllocator::release_segments(const std::vector<Segment*>& segm
   std::size_t released = 0;
   for (Segment* s : segments) {
     Block* b = &s->blocks.front();
-    s->memory.free();  // may throw DeviceError: the segment then stays cached
+    s->memory->free();  // may throw DeviceError: the segment then stays cached
     pool_of(*s).erase(b);
-    const std::size_t size = s->memory.size();
-    segments_.erase(s->memory.ptr());
+    const std::size_t size = s->size();
+    segments_.erase(s->ptr());
     stats_.reserved_bytes -= size;
     ++segments_released_;
     released += size;
@@ -346,13 +547,13 @@ void CachingAllocator::return_to_pool(Block* block) {
   // Merge with free neighbours of the same segment (PyTorch's free_block / try_merge_blocks).
   Segment* s = block->segment;
   detail::BlockPool& pool = pool_of(*s);
-  if (Block* prev = s->prev(block); prev != nullptr && prev->is_free()) {
+  if (Block* prev = s->prev(block); prev != nullptr && prev->is_free() && prev->mapped) {
     pool.erase(prev);
     block->ptr = prev->ptr;
     block->size += prev->size;
     s->blocks.erase(prev->self);
   }
-  if (Block* next = s->next(block); next != nullptr && next->is_free()) {
+  if (Block* next = s->next(block); next != nullptr && next->is_free() && next->mapped) {
     pool.erase(next);
     block->size += next->size;
     s->blocks.erase(next->self);
@@ -414,13 +615,16 @@ std::string CachingAllocator::describe_unknown(device_ptr ptr) const {
   auto it = segments_.upper_bound(ptr);
   if (it != segments_.begin()) {
     const Segment& s = *std::prev(it)->second;
-    if (ptr < s.memory.ptr() + s.memory.size()) {
+    if (ptr < s.ptr() + s.size()) {
       for (const Block& b : s.blocks) {
         if (ptr < b.ptr || ptr >= b.ptr + b.size) continue;
         if (b.ptr == ptr) return p + " is not a live allocation (already freed)";
         if (b.allocated)
           return p + " is an interior pointer, " + std::to_string(ptr - b.ptr) +
                  " bytes into the live allocation at " + hex(b.ptr);
+        if (!b.mapped)
+          return p + " is in unmapped address space of an expandable segment, not a live "
+                     "allocation";
         return p + " is inside a free block of a cached segment, not a live allocation";
       }
     }
@@ -478,8 +682,17 @@ CachingSegmentStats CachingAllocator::segment_stats() const {
   for (const auto& [ptr, segment] : segments_) {
     const Segment& s = *segment;
     (s.small ? r.small_segments : r.large_segments) += 1;
-    (s.small ? r.small_segment_bytes : r.large_segment_bytes) += s.memory.size();
+    // An expandable segment counts its mapped bytes (what it reserves).
+    (s.small ? r.small_segment_bytes : r.large_segment_bytes) +=
+        s.memory ? s.size() : s.expandable->mapped_bytes();
     for (const Block& b : s.blocks) {
+      if (!b.mapped) continue;
+      if (s.expandable && b.is_free()) {  // what release_cached() would unmap
+        const std::size_t page = s.expandable->page_size();
+        const std::size_t first = (b.ptr - s.ptr() + page - 1) / page;
+        const std::size_t last = (b.ptr + b.size - s.ptr()) / page;
+        if (first < last) ++r.unsplit_free_segments;
+      }
       if (b.allocated) {
         ++r.live_blocks;
       } else if (b.pending_events > 0) {
@@ -491,7 +704,7 @@ CachingSegmentStats CachingAllocator::segment_stats() const {
         r.largest_free_block = std::max(r.largest_free_block, b.size);
       }
     }
-    if (s.unsplit() && s.blocks.front().is_free()) ++r.unsplit_free_segments;
+    if (s.memory && s.unsplit() && s.blocks.front().is_free()) ++r.unsplit_free_segments;
   }
   r.segments_created = segments_created_;
   r.segments_released = segments_released_;
@@ -504,14 +717,31 @@ std::vector<CachingSegmentInfo> CachingAllocator::snapshot() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<CachingSegmentInfo> result;
   result.reserve(segments_.size());
+  auto block_info = [](const Block& b) -> CachingBlockInfo {
+    auto state = b.allocated             ? CachingBlockInfo::State::allocated
+                 : b.pending_events > 0 ? CachingBlockInfo::State::waiting
+                                        : CachingBlockInfo::State::free;
+    return {b.ptr, b.size, b.requested, b.stream, state};
+  };
   for (const auto& [ptr, segment] : segments_) {
-    CachingSegmentInfo info{ptr, segment->memory.size(), segment->small, segment->stream, {}};
-    for (const Block& b : segment->blocks) {
-      auto state = b.allocated             ? CachingBlockInfo::State::allocated
-                   : b.pending_events > 0 ? CachingBlockInfo::State::waiting
-                                          : CachingBlockInfo::State::free;
-      info.blocks.push_back({b.ptr, b.size, b.requested, b.stream, state});
+    if (segment->expandable) {
+      // Like PyTorch's snapshot: one segment per contiguous mapped range.
+      CachingSegmentInfo info{0, 0, segment->small, segment->stream, {}};
+      for (const Block& b : segment->blocks) {
+        if (!b.mapped) {
+          if (!info.blocks.empty()) result.push_back(std::move(info));
+          info = CachingSegmentInfo{0, 0, segment->small, segment->stream, {}};
+          continue;
+        }
+        if (info.blocks.empty()) info.ptr = b.ptr;
+        info.size += b.size;
+        info.blocks.push_back(block_info(b));
+      }
+      if (!info.blocks.empty()) result.push_back(std::move(info));
+      continue;
     }
+    CachingSegmentInfo info{ptr, segment->size(), segment->small, segment->stream, {}};
+    for (const Block& b : segment->blocks) info.blocks.push_back(block_info(b));
     result.push_back(std::move(info));
   }
   return result;

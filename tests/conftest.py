@@ -43,6 +43,9 @@ DEVICE_KINDS = {
 ALLOCATOR_KINDS = {
     "virtual": ("VirtualAllocator", lambda device, **o: vmalloc.VirtualAllocator(device, **o)),
     "caching": ("CachingAllocator", lambda device, **o: vmalloc.CachingAllocator(device, **o)),
+    "expandable-segments": ("CachingAllocator",
+                            lambda device, **o: vmalloc.CachingAllocator(
+                                device, expandable_segments=True, **o)),
     "virtual-packed": ("VirtualAllocator",
                        lambda device, **o: vmalloc.VirtualAllocator(device, placement="packed", **o)),
 }

@@ -48,7 +48,8 @@ def test_replay_json_reports_each_allocator(capsys, small_trace):
     code, out, err = run(capsys, "replay", str(small_trace), "--json")
     assert code == 0
     results = json.loads(out)
-    assert [r["allocator"] for r in results] == ["caching", "virtual", "virtual-packed"]
+    assert [r["allocator"] for r in results] == ["caching", "expandable-segments", "virtual",
+                                                "virtual-packed"]
     for r in results:
         assert REQUIRED_KEYS <= set(r)
         assert r["trace"] == "small"
@@ -56,7 +57,8 @@ def test_replay_json_reports_each_allocator(capsys, small_trace):
         assert r["peak_requested_bytes"] == 12 * MiB + 700
         assert r["utilization"] == r["peak_requested_bytes"] / r["peak_reserved_bytes"]
         assert r["min_capacity_exact"] is True
-    assert results[1]["min_capacity_bytes"] == 14 * MiB
+    assert results[1]["min_capacity_bytes"] == 22 * MiB  # a 20 MiB and a 2 MiB page
+    assert results[2]["min_capacity_bytes"] == 14 * MiB
     assert err == ""  # no progress bar when stderr is not a terminal, nor in --json
 
 

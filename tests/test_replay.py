@@ -237,7 +237,8 @@ def test_replay_reports_every_allocator(unbacked):
     trace = events((ALLOC, 0x1000, 3 * MiB), (ALLOC, 0x2000, 700), (FREE, 0x1000, 0),
                    (ALLOC, 0x3000, 12 * MiB), (FREE, 0x2000, 0), (FREE, 0x3000, 0))
     results = replay(trace, name="tiny")
-    assert [r.allocator for r in results] == ["caching", "virtual", "virtual-packed"]
+    assert [r.allocator for r in results] == ["caching", "expandable-segments", "virtual",
+                                              "virtual-packed"]
     for r in results:
         assert (r.trace, r.events, r.trace_events, r.completed) == ("tiny", 6, 6, True)
         assert r.peak_requested_bytes == 12 * MiB + 700
@@ -255,8 +256,11 @@ def test_replay_reports_every_allocator(unbacked):
         assert "timeline" not in r.to_dict()
     # The virtual allocator maps 12 MiB + 700 B into 6 chunks plus one arena chunk: 7 granules;
     # packed, the small block gets a reservation of its own (as PyTorch's small pool): 7 too.
-    assert results[1].min_capacity_bytes == 14 * MiB
+    # Expandable segments map one 20 MiB page (3 MiB, then 12 MiB in the same page) and one
+    # 2 MiB small page: 22 MiB.
+    assert results[1].min_capacity_bytes == 22 * MiB
     assert results[2].min_capacity_bytes == 14 * MiB
+    assert results[3].min_capacity_bytes == 14 * MiB
 
 
 def test_min_capacity_is_the_boundary(make_allocator):

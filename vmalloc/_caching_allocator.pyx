@@ -28,6 +28,7 @@ cdef extern from "vmalloc/caching_allocator.hpp" namespace "vmalloc" nogil:
         size_t max_split_size
         size_t max_non_split_rounding_size
         size_t budget
+        bool expandable_segments
 
     cdef cppclass CCachingSegmentStats "vmalloc::CachingSegmentStats":
         size_t small_segments
@@ -112,6 +113,10 @@ cdef class CachingAllocator(Allocator):
         budget: most bytes of segments to hold at once (like PyTorch's
             ``set_per_process_memory_fraction`` or CuPy's ``set_limit``); None = only the
             device's capacity limits.
+        expandable_segments: PyTorch's ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
+            (``"pytorch"`` policy only): one reserved address range per stream and pool,
+            grown and shrunk in pages of 2 MiB (small pool) / 20 MiB (large pool) instead of
+            one device allocation per segment. See :doc:`caching_allocator`.
 
     Raises:
         vmalloc.InvalidArgumentError: an unknown policy or an invalid option (the message
@@ -119,7 +124,7 @@ cdef class CachingAllocator(Allocator):
     """
 
     def __init__(self, Device device not None, policy="pytorch", max_split_size=None,
-                 max_non_split_rounding_size=None, budget=None):
+                 max_non_split_rounding_size=None, budget=None, expandable_segments=False):
         cdef CCachingAllocatorOptions options
         cdef shared_ptr[CCachingAllocator] allocator
         if not isinstance(policy, str):
@@ -135,6 +140,7 @@ cdef class CachingAllocator(Allocator):
             options.budget = parse_size(budget, "budget")
             if options.budget == 0:
                 raise InvalidArgumentError("budget must be positive, or None for no budget")
+        options.expandable_segments = True if expandable_segments else False
         allocator = shared_ptr[CCachingAllocator](
             new CCachingAllocator(device.c_device, options))
         self.c_allocator = static_pointer_cast[CAllocator, CCachingAllocator](allocator)
@@ -158,6 +164,11 @@ cdef class CachingAllocator(Allocator):
     def max_non_split_rounding_size(self):
         """``max_non_split_rounding_size`` in bytes."""
         return self.caching().options().max_non_split_rounding_size
+
+    @property
+    def expandable_segments(self):
+        """Whether segments are PyTorch's expandable segments (``expandable_segments:True``)."""
+        return self.caching().options().expandable_segments
 
     @property
     def budget(self):

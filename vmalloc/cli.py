@@ -55,7 +55,7 @@ def _allocator_names(text):
 
 def _add_run_options(p):
     p.add_argument("--allocator", "-a", dest="allocators", action="append",
-                   type=_allocator_names, metavar="{caching,virtual,virtual-packed}",
+                   type=_allocator_names, metavar="{caching,expandable-segments,virtual,virtual-packed}",
                    help="allocator to replay through; repeat (or separate with commas) for "
                         "several; default: caching and virtual")
     p.add_argument("--capacity", type=_size, metavar="SIZE",

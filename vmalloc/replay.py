@@ -41,10 +41,12 @@ __all__ = [
     "replay_once",
 ]
 
-#: The allocator kinds :func:`replay` compares by default: the caching baseline, the virtual
-#: allocator with the paper's chunk placement, and with packed placement
-#: (``"virtual-packed"`` is :class:`vmalloc.VirtualAllocator` with ``placement="packed"``).
-ALLOCATOR_KINDS = ("caching", "virtual", "virtual-packed")
+#: The allocator kinds :func:`replay` compares by default: the caching baseline, the same with
+#: PyTorch's expandable segments (``"expandable-segments"`` is :class:`vmalloc.CachingAllocator`
+#: with ``expandable_segments=True``), the virtual allocator with the paper's chunk placement,
+#: and with packed placement (``"virtual-packed"`` is :class:`vmalloc.VirtualAllocator` with
+#: ``placement="packed"``).
+ALLOCATOR_KINDS = ("caching", "expandable-segments", "virtual", "virtual-packed")
 
 #: Every allocator name :func:`replay` builds.
 ALLOCATOR_NAMES = ALLOCATOR_KINDS
@@ -242,7 +244,8 @@ def make_allocator(kind, device, chunk_size=None, max_split_size=None, policy=No
     """Builds the allocator ``kind`` on ``device``.
 
     ``kind`` is ``"caching"`` (:class:`vmalloc.CachingAllocator`, which takes
-    ``max_split_size`` and ``policy``), ``"virtual"`` (:class:`vmalloc.VirtualAllocator`,
+    ``max_split_size`` and ``policy``), ``"expandable-segments"`` (the same with
+    ``expandable_segments=True``, PyTorch's ``expandable_segments:True``), ``"virtual"`` (:class:`vmalloc.VirtualAllocator`,
     which takes ``chunk_size`` and ``steal_before_create``), ``"virtual-packed"`` (the same
     with ``placement="packed"``, which also takes ``remap_slack``),
     or a callable ``kind(device) -> Allocator`` for anything
@@ -261,6 +264,8 @@ def make_allocator(kind, device, chunk_size=None, max_split_size=None, policy=No
         return vmalloc.VirtualAllocator(device, **options)
     if kind == "caching":
         return vmalloc.CachingAllocator(device, **options)
+    if kind == "expandable-segments":
+        return vmalloc.CachingAllocator(device, expandable_segments=True, **options)
     raise InvalidArgumentError(
         f"unknown allocator {kind!r}; choose from {', '.join(ALLOCATOR_NAMES)}")
 
@@ -276,10 +281,10 @@ def _options(kind, chunk_size, max_split_size, policy, steal_before_create=None,
             options["steal_before_create"] = bool(steal_before_create)
         if remap_slack is not None and kind == "virtual-packed":
             options["remap_slack"] = float(remap_slack)
-    if kind == "caching":
+    if kind in ("caching", "expandable-segments"):
         if max_split_size is not None:
             options["max_split_size"] = parse_size(max_split_size, "max_split_size")
-        if policy is not None:
+        if policy is not None and kind == "caching":
             options["policy"] = policy
     return options
 

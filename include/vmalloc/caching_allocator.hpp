@@ -50,6 +50,10 @@ struct CachingAllocatorOptions {
   // Most bytes of segments held at once (PyTorch's per-process memory fraction times the
   // device's memory; CuPy's set_limit); 0 = only the device's capacity limits.
   std::size_t budget = 0;
+  // PyTorch's expandable_segments:True (pytorch policy only): instead of one device
+  // allocation per segment, one reserved address range per stream and pool, grown and shrunk
+  // in pages of 2 MiB (small pool) / 20 MiB (large pool). docs/caching_allocator.rst.
+  bool expandable_segments = false;
 };
 
 // Per-pool and per-block detail beyond Stats.
@@ -97,6 +101,9 @@ class CachingAllocator final : public Allocator {
   static constexpr std::size_t kMinLargeAlloc = std::size_t{10} << 20; // below: kLargeBuffer
   static constexpr std::size_t kLargeBuffer = std::size_t{20} << 20;   // mid-size segment
   static constexpr std::size_t kRoundLarge = std::size_t{2} << 20;     // large segment rounding
+  // Address space of an expandable segment on a device of unlimited capacity (PyTorch
+  // reserves 9/8 of the GPU's memory; HostDevice's capacity may be 0 = unlimited).
+  static constexpr std::size_t kUnlimitedExpandableSpace = std::size_t{1} << 40;
   // nnabla's CachingAllocatorWithBuckets: requests of 1 MiB and more round to 128 KiB.
   static constexpr std::size_t kNnablaRoundLarge = std::size_t{128} << 10;
 
@@ -113,7 +120,9 @@ class CachingAllocator final : public Allocator {
   Stats stats() const override;
   void reset_peak_stats() override;
   std::size_t allocation_size(device_ptr ptr) const override;
-  std::string name() const override { return "caching"; }
+  std::string name() const override {
+    return options_.expandable_segments ? "expandable-segments" : "caching";
+  }
   const std::shared_ptr<Device>& device() const override { return device_; }
 
   // PyTorch's recordStream: the live allocation at ptr is also used by work on `stream`, so
@@ -139,12 +148,24 @@ class CachingAllocator final : public Allocator {
   using Segment = detail::CachingSegment;
 
   detail::BlockPool& pool_of(const Segment& s) { return s.small ? small_pool_ : large_pool_; }
+  detail::UnmappedPool& unmapped_of(const Segment& s) {
+    return s.small ? small_unmapped_ : large_unmapped_;
+  }
   stream_t pool_stream(stream_t stream) const noexcept;
   bool should_split(const Block& block, std::size_t rounded) const noexcept;
 
   void process_events();
   Block* take_free_block(detail::BlockPool& pool, stream_t stream, std::size_t rounded);
   Block* create_segment(std::size_t size, bool small, stream_t stream);
+  // Expandable segments (PyTorch's try_allocate_expandable_block, find_expandable_block,
+  // map_block, unmap_block, release_expandable_segment).
+  Block* alloc_expandable(bool small, stream_t stream, std::size_t rounded, std::size_t seg_size);
+  Block* find_expandable_block(bool small, stream_t stream, std::size_t size);
+  bool map_block(Block* to_map, std::size_t size);
+  std::size_t unmap_block(Block* block);
+  void apply_unmap(Block* block, std::size_t first, std::size_t last);
+  std::size_t release_expandable(std::vector<Block*> blocks);
+  std::size_t expandable_page_size(bool small) const noexcept;
   bool release_oversize_blocks(detail::BlockPool& pool, stream_t stream, std::size_t rounded);
   std::size_t release_all_free_segments();
   std::size_t release_segments(const std::vector<Segment*>& segments);
@@ -161,6 +182,8 @@ class CachingAllocator final : public Allocator {
   std::map<device_ptr, std::unique_ptr<Segment>> segments_;
   detail::BlockPool small_pool_;
   detail::BlockPool large_pool_;
+  detail::UnmappedPool small_unmapped_;  // expandable segments only
+  detail::UnmappedPool large_unmapped_;
   std::unordered_map<device_ptr, Block*> live_;
   detail::PendingFrees pending_;
   Stats stats_;

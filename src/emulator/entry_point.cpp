@@ -11,7 +11,7 @@ struct Names {
 };
 constexpr Names names[entry_point_count] = {
 #define VMALLOC_EMULATOR_NAMES(member, symbol, params) {symbol, #member},
-    VMALLOC_CUDA_ENTRY_POINTS(VMALLOC_EMULATOR_NAMES)
+    VMALLOC_EMULATOR_ENTRY_POINTS(VMALLOC_EMULATOR_NAMES)
 #undef VMALLOC_EMULATOR_NAMES
 };
 }  // namespace

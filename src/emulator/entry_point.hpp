@@ -13,9 +13,22 @@
 
 namespace vmalloc::emulator {
 
+// Entry points the emulator exports beyond what CudaDevice resolves: the driver's symbol
+// lookup, which cuda-bindings (cuda.bindings.driver) resolves every other function through.
+#define VMALLOC_EMULATOR_EXTRA_ENTRY_POINTS(X)                                               \
+  X(cuGetProcAddress, "cuGetProcAddress",                                                    \
+    (const char* symbol, void** pfn, int cudaVersion, unsigned long long flags))             \
+  X(cuGetProcAddress_v2, "cuGetProcAddress_v2",                                              \
+    (const char* symbol, void** pfn, int cudaVersion, unsigned long long flags,              \
+     int* symbolStatus))
+
+#define VMALLOC_EMULATOR_ENTRY_POINTS(X) \
+  VMALLOC_CUDA_ENTRY_POINTS(X)           \
+  VMALLOC_EMULATOR_EXTRA_ENTRY_POINTS(X)
+
 enum class EntryPoint : int {
 #define VMALLOC_EMULATOR_ENUM(member, symbol, params) member,
-  VMALLOC_CUDA_ENTRY_POINTS(VMALLOC_EMULATOR_ENUM)
+  VMALLOC_EMULATOR_ENTRY_POINTS(VMALLOC_EMULATOR_ENUM)
 #undef VMALLOC_EMULATOR_ENUM
   count_
 };

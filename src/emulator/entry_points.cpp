@@ -4,6 +4,8 @@
 // allocation properties, contexts, handles), routes to the emulated GPU's HostDevice, which
 // enforces the virtual memory rules, and turns every exception into a CUresult: nothing ever
 // propagates out of these functions.
+#include <dlfcn.h>
+
 #include <cstdio>
 #include <cstring>
 #include <mutex>
@@ -154,6 +156,100 @@ VMALLOC_EMULATOR_EXPORT CUresult cuGetErrorString(CUresult error, const char** t
     if (*text == nullptr)
       fail(CUDA_ERROR_INVALID_VALUE, "CUresult " + std::to_string(error) + " is not known");
     return CUDA_SUCCESS;
+  });
+}
+
+// ===================== symbol lookup (cuGetProcAddress) =====================
+
+namespace {
+
+// CUdriverProcAddressQueryResult and the cuGetProcAddress flags (cuda.h).
+constexpr int CU_GET_PROC_ADDRESS_SUCCESS = 0;
+constexpr int CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND = 1;
+constexpr int CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT = 2;
+constexpr unsigned long long CU_GET_PROC_ADDRESS_DEFAULT = 0;
+constexpr unsigned long long CU_GET_PROC_ADDRESS_LEGACY_STREAM = 1;
+constexpr unsigned long long CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM = 2;
+
+// The CUDA version that introduced each versioned symbol the emulator exports: asked for an
+// older version, the real driver returns the older variant, which the emulator does not have.
+struct Introduced {
+  const char* symbol;
+  int version;
+};
+constexpr Introduced introduced[] = {
+    {"cuDeviceTotalMem_v2", 3020},   {"cuMemcpyHtoDAsync_v2", 3020},
+    {"cuMemcpyDtoHAsync_v2", 3020},  {"cuMemcpyDtoDAsync_v2", 3020},
+    {"cuStreamDestroy_v2", 4000},    {"cuEventDestroy_v2", 4000},
+    {"cuDevicePrimaryCtxRelease_v2", 11000}, {"cuGetProcAddress", 11030},
+    {"cuGetProcAddress_v2", 12000},
+};
+
+// This library, for dlsym: the address handed out is the emulator's own export.
+void* self_handle() {
+  static void* handle = [] {
+    Dl_info info{};
+    if (dladdr(reinterpret_cast<void*>(&self_handle), &info) == 0 || info.dli_fname == nullptr)
+      return static_cast<void*>(nullptr);
+    return dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+  }();
+  return handle;
+}
+
+CUresult get_proc_address(const char* symbol, void** pfn, int cuda_version,
+                          unsigned long long flags, int* status) {
+  if (status != nullptr) *status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+  require(symbol != nullptr, "symbol is NULL");
+  require(pfn != nullptr, "pfn is NULL");
+  *pfn = nullptr;
+  if (cuda_version < 1000)
+    fail(CUDA_ERROR_INVALID_VALUE,
+         "cudaVersion " + std::to_string(cuda_version) + " is not a CUDA version (e.g. 12040)");
+  if (flags == CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM)
+    fail(CUDA_ERROR_NOT_SUPPORTED,
+         "CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM: the per-thread default stream "
+         "variants (_ptsz, _ptds) are not emulated");
+  if (flags != CU_GET_PROC_ADDRESS_DEFAULT && flags != CU_GET_PROC_ADDRESS_LEGACY_STREAM)
+    fail(CUDA_ERROR_INVALID_VALUE, "flags is " + num(flags) + ", not a CU_GET_PROC_ADDRESS_* flag");
+  std::string name = symbol;
+  // cuda.h 12.x maps cuGetProcAddress to cuGetProcAddress_v2.
+  if (name == "cuGetProcAddress" && cuda_version >= 12000) name = "cuGetProcAddress_v2";
+  EntryPoint entry{};
+  if (!emulator::find_entry_point(name, &entry))
+    fail(CUDA_ERROR_NOT_FOUND, "'" + std::string(symbol) +
+                                   "' is not an entry point the driver emulator implements");
+  const char* exported = emulator::entry_point_symbol(entry);
+  for (const Introduced& i : introduced) {
+    if (std::strcmp(i.symbol, exported) == 0 && cuda_version < i.version) {
+      if (status != nullptr) *status = CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT;
+      fail(CUDA_ERROR_NOT_FOUND,
+           "'" + std::string(symbol) + "' for CUDA " + std::to_string(cuda_version) +
+               ": the emulator has only " + exported + " (CUDA " + std::to_string(i.version) +
+               " and later)");
+    }
+  }
+  void* address = self_handle() == nullptr ? nullptr : dlsym(self_handle(), exported);
+  if (address == nullptr)
+    fail(CUDA_ERROR_UNKNOWN, std::string("cannot resolve the emulator's own ") + exported);
+  *pfn = address;
+  if (status != nullptr) *status = CU_GET_PROC_ADDRESS_SUCCESS;
+  return CUDA_SUCCESS;
+}
+
+}  // namespace
+
+VMALLOC_EMULATOR_EXPORT CUresult cuGetProcAddress(const char* symbol, void** pfn,
+                                                  int cudaVersion, unsigned long long flags) {
+  return run(EntryPoint::cuGetProcAddress, [&](Emulator&) {
+    return get_proc_address(symbol, pfn, cudaVersion, flags, nullptr);
+  });
+}
+
+VMALLOC_EMULATOR_EXPORT CUresult cuGetProcAddress_v2(const char* symbol, void** pfn,
+                                                     int cudaVersion, unsigned long long flags,
+                                                     int* symbolStatus) {
+  return run(EntryPoint::cuGetProcAddress_v2, [&](Emulator&) {
+    return get_proc_address(symbol, pfn, cudaVersion, flags, symbolStatus);
   });
 }
 

@@ -6,10 +6,12 @@
 #include <cstddef>
 #include <iterator>
 #include <list>
+#include <memory>
 #include <set>
 #include <tuple>
 #include <vector>
 
+#include "vmalloc/detail/expandable_memory.hpp"
 #include "vmalloc/detail/segment_memory.hpp"
 #include "vmalloc/types.hpp"
 
@@ -32,16 +34,27 @@ struct CachingBlock {
   bool allocated = false;
   int pending_events = 0;     // events recorded at free time that have not completed
   std::vector<stream_t> stream_uses;  // other streams that used it (record_stream)
+  bool mapped = true;         // false: unmapped address space of an expandable segment
 
   // In a pool: neither handed out nor waiting for other streams.
   bool is_free() const noexcept { return !allocated && pending_events == 0; }
 };
 
 struct CachingSegment {
+  // A fixed segment: one device allocation of `size` bytes (cudaMalloc).
   CachingSegment(Device& device, std::size_t size, bool small_, stream_t stream_)
-      : memory(device, size), small(small_), stream(stream_) {}
+      : memory(std::make_unique<SegmentMemory>(device, size)), small(small_), stream(stream_) {}
+  // An expandable segment: `size` bytes of address space mapped in pages of `page_size`.
+  CachingSegment(Device& device, std::size_t size, std::size_t page_size, bool small_,
+                 stream_t stream_)
+      : expandable(std::make_unique<ExpandableMemory>(device, size, page_size)),
+        small(small_),
+        stream(stream_) {}
 
-  SegmentMemory memory;
+  std::unique_ptr<SegmentMemory> memory;        // set for a fixed segment
+  std::unique_ptr<ExpandableMemory> expandable; // set for an expandable segment
+  device_ptr ptr() const noexcept { return memory ? memory->ptr() : expandable->ptr(); }
+  std::size_t size() const noexcept { return memory ? memory->size() : expandable->size(); }
   bool small;       // which pool its blocks belong to
   stream_t stream;  // the stream it was created for
   std::list<CachingBlock> blocks;  // address order, covering the segment exactly
@@ -74,5 +87,23 @@ struct BlockOrder {
 };
 
 using BlockPool = std::set<CachingBlock*, BlockOrder>;
+
+// The unmapped address space of expandable segments, by (stream, address) like PyTorch's
+// BlockPool::unmapped (BlockComparatorAddress).
+struct AddressOrder {
+  using is_transparent = void;
+  struct Key {
+    stream_t stream;
+    device_ptr ptr;
+  };
+  static auto tie(const CachingBlock* b) { return std::tie(b->pool_stream, b->ptr); }
+  static auto tie(const Key& k) { return std::tie(k.stream, k.ptr); }
+  template <class A, class B>
+  bool operator()(const A& a, const B& b) const {
+    return tie(a) < tie(b);
+  }
+};
+
+using UnmappedPool = std::set<CachingBlock*, AddressOrder>;
 
 }  // namespace vmalloc::detail
