@@ -274,8 +274,8 @@ class Runtime:
         out["budget_bytes"] = self.budget
         swap = self.swap.stats()
         out["swap"] = swap
-        out["swapped_out_bytes"] = swap.get("bytes_out", 0)
-        out["swapped_in_bytes"] = swap.get("bytes_in", 0)
+        out["swapped_out_bytes"] = swap.get("bytes_swapped_out", 0)
+        out["swapped_in_bytes"] = swap.get("bytes_swapped_in", 0)
         return out
 
     # --- internals: residency ----------------------------------------------------------

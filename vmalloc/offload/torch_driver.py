@@ -57,7 +57,7 @@ class PoisonSwap:
         self._storages = {}   # ptr -> storage
         self._host = {}       # ptr -> saved bytes (a uint8 tensor)
         self._state = {}      # ptr -> state, absent = resident
-        self._stats = dict(bytes_out=0, bytes_in=0, swap_outs=0, swap_ins=0)
+        self._stats = dict(bytes_swapped_out=0, bytes_swapped_in=0, swap_outs=0, swap_ins=0)
 
     def register(self, ptr, storage):
         # Weak: the backend must not keep a storage PyTorch has freed alive.
@@ -91,7 +91,7 @@ class PoisonSwap:
             self._host[ptr] = view.clone()
             view.fill_(255)
         self._state[ptr] = "swapping_out"
-        self._stats["bytes_out"] += view.numel()
+        self._stats["bytes_swapped_out"] += view.numel()
         self._stats["swap_outs"] += 1
         return ptr
 
@@ -118,7 +118,7 @@ class PoisonSwap:
             del self._state[key]      # cancelled: nothing left in flight
         else:
             self._state[key] = "swapping_in"
-            self._stats["bytes_in"] += view.numel()
+            self._stats["bytes_swapped_in"] += view.numel()
             self._stats["swap_ins"] += 1
         return key
 
