@@ -295,6 +295,10 @@ class Runtime:
             self._untrack(buf)
         elif buf.where == "swapping_in":
             self.swap.wait(buf.ptr, stream=self.stream)
+            if self.host_compute:
+                # The program reads on the host: the copy must be done, not only ordered
+                # before the compute stream's next work.
+                self.device.synchronize_stream(self.stream)
             buf.where = "resident"
 
     def _in(self, buf):
@@ -407,20 +411,15 @@ class Runtime:
 
     def _make_resident(self, bufs):
         """Every buffer of the running function resident, its swap-in waited."""
-        waited = False
         for buf in bufs:
             if buf.where != "resident":
                 if buf.where != "swapping_in":
                     self._swap_in(buf, on_demand=True)
                 if buf.where == "swapping_in":
                     self._wait(buf)
-                    waited = True
                     if buf in self._pending_in:
                         self._pending_in.remove(buf)
             self._lru.move_to_end(buf.id)
-        if waited and self.host_compute:
-            # The program reads on the host: the copies must be done, not only ordered.
-            self.device.synchronize_stream(self.stream)
 
     # --- internals: iterations ---------------------------------------------------------
     def _begin_iteration(self):
