@@ -460,6 +460,7 @@ void VirtualAllocator::cache_range(Range* r) noexcept {
 void VirtualAllocator::release_range(Range* r) noexcept {
   r->reservation = nullptr;  // stale head/tail entries pointing here no longer validate
   r->count = 0;
+  r->unbacked = false;  // nodes are recycled
   ranges_.release(r);
 }
 

@@ -155,8 +155,8 @@ void SwapManager::release_out(device_ptr ptr, Record& r) {
 }
 
 void SwapManager::cancel_out(device_ptr ptr, Record& r, bool count_cancel) {
-  // The memory is still mapped and unchanged: keep it. The copy may still be writing the
-  // host block, which is freed once its event completes (poll, destructor).
+  // The memory is still mapped and unchanged: keep it. The host block is freed once the
+  // copy's event has completed (poll, destructor).
   zombies_.reserve(zombies_.size() + 1);
   zombies_.push_back(Zombie{r.host, r.done});
   if (count_cancel) {
@@ -341,7 +341,7 @@ device_ptr SwapManager::allocate_relocated(device_ptr old, std::size_t nbytes, s
     }
   };
   try {
-    while (p != old && records_.count(p) != 0) {
+    while (p != 0 && p != old && records_.count(p) != 0) {
       if (skipped.size() >= 16)
         throw Error("SwapManager.swap_in: the allocator keeps returning addresses of "
                     "allocations on host");
@@ -368,7 +368,18 @@ device_ptr SwapManager::swap_in_locked(device_ptr ptr, stream_t stream,
   if (r->state == SwapState::swapping_in)
     throw_state(ptr, r->state, "swap_in", "it is already swapping in (wait for it)");
   if (r->state == SwapState::swapping_out) {
-    cancel_out(ptr, *r, true);  // still mapped: nothing to copy back
+    // A cancel: the memory is still mapped and unchanged, nothing to copy back. The copy
+    // still reads it, though, and the caller may free or overwrite it as soon as this
+    // returns: the host waits for the copy first (the mutex released).
+    r->busy = true;
+    try {
+      wait_unlocked(lock, r->done);
+    } catch (...) {
+      r->busy = false;
+      throw;
+    }
+    r->busy = false;
+    cancel_out(ptr, *r, true);
     return ptr;
   }
   // ON_HOST: acquire device memory, waiting for in-flight swap-outs on OutOfMemory.
@@ -548,6 +559,13 @@ std::size_t SwapManager::swap_out_all(stream_t stream) {
       started.push_back(e.first);
     }
   } catch (...) {
+    // Roll back: the copies started read memory the caller keeps using; wait for them (an
+    // error path, so the host waits under the mutex). Their host blocks go once their events
+    // complete.
+    try {
+      if (!started.empty()) device_->synchronize_stream(d2h_.handle);
+    } catch (...) {
+    }
     for (device_ptr p : started)
       if (Record* r = find(p)) cancel_out(p, *r, false);
     throw;
@@ -555,7 +573,8 @@ std::size_t SwapManager::swap_out_all(stream_t stream) {
   return started.size();
 }
 
-std::vector<std::pair<device_ptr, device_ptr>> SwapManager::swap_in_all(stream_t stream) {
+std::size_t SwapManager::swap_in_all(stream_t stream,
+                                     std::vector<std::pair<device_ptr, device_ptr>>& moved) {
   std::unique_lock<std::mutex> lock(mutex_);
   poll_locked(false);
   std::vector<std::pair<std::uint64_t, device_ptr>> order;
@@ -564,13 +583,23 @@ std::vector<std::pair<device_ptr, device_ptr>> SwapManager::swap_in_all(stream_t
                            e.second.state == SwapState::swapping_out))
       order.emplace_back(e.second.seq, e.first);
   std::sort(order.begin(), order.end());
-  std::vector<std::pair<device_ptr, device_ptr>> moved;
-  moved.reserve(order.size());
+  moved.reserve(moved.size() + order.size());
+  std::size_t n = 0;
   for (const auto& o : order) {
-    if (find(o.second) == nullptr) continue;
+    const Record* r = find(o.second);
+    if (r == nullptr || r->busy ||
+        (r->state != SwapState::on_host && r->state != SwapState::swapping_out))
+      continue;  // changed by another thread while this one waited
     moved.emplace_back(o.second, swap_in_locked(o.second, stream, lock));
+    ++n;
   }
-  return moved;
+  return n;
+}
+
+device_ptr SwapManager::allocate(std::size_t nbytes, stream_t stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (nbytes == 0) return 0;
+  return allocate_relocated(0, nbytes, stream);
 }
 
 // ---------------------------------------------------------------------------------------------

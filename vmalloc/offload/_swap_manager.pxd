@@ -63,8 +63,10 @@ cdef extern from "vmalloc/offload/swap_manager.hpp" namespace "vmalloc" nogil:
         void deallocate(uintptr_t ptr, uintptr_t stream) except +vmalloc_raise_py_error
         size_t poll() except +vmalloc_raise_py_error
         size_t swap_out_all(uintptr_t stream) except +vmalloc_raise_py_error
-        vector[pair[uintptr_t, uintptr_t]] swap_in_all(uintptr_t stream) \
+        size_t swap_in_all(uintptr_t stream,
+                           vector[pair[uintptr_t, uintptr_t]]& moved) \
             except +vmalloc_raise_py_error
+        uintptr_t allocate(size_t nbytes, uintptr_t stream) except +vmalloc_raise_py_error
         CSwapStats stats() except +vmalloc_raise_py_error
         size_t release_cached_host() except +vmalloc_raise_py_error
         bool relocates(uintptr_t ptr) except +vmalloc_raise_py_error

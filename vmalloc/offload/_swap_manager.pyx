@@ -7,6 +7,8 @@ call that may wait for the manager's lock, a stream or the device releases the G
 
 from libc.stdint cimport uintptr_t
 from libcpp.memory cimport shared_ptr
+from libcpp.pair cimport pair
+from libcpp.vector cimport vector
 
 from vmalloc._device cimport stream_handle
 
@@ -135,13 +137,32 @@ cdef class SwapManager:
         return n
 
     def swap_in_all(self, stream=0):
-        """Swaps every swapped-out allocation back in, oldest first; returns ``{old: new}``
-        pointers (equal unless relocated)."""
+        """Swaps every swapped-out allocation back in, oldest swap-out first; returns
+        ``{old: new}`` pointers (equal unless relocated). Stops at the first error: the
+        exception's ``moved`` attribute is the ``{old: new}`` of those swapped in before it
+        (they stay swapping in); the others stay swapped out."""
         cdef uintptr_t s = stream_handle(stream)
         cdef CSwapManager* m = self.get()
-        with nogil:
-            moved = m.swap_in_all(s)
+        cdef vector[pair[uintptr_t, uintptr_t]] moved
+        try:
+            with nogil:
+                m.swap_in_all(s, moved)
+        except Exception as error:
+            error.moved = {p.first: p.second for p in moved}
+            raise
         return {p.first: p.second for p in moved}
+
+    def allocate(self, nbytes, stream=0):
+        """``allocator.allocate(nbytes, stream)``, except that it never returns the address
+        of a relocated allocation now on host (which names that allocation here): allocate
+        through the manager while relocating allocations are swapped out."""
+        cdef size_t n = parse_size(nbytes, "nbytes")
+        cdef uintptr_t s = stream_handle(stream)
+        cdef CSwapManager* m = self.get()
+        cdef uintptr_t p
+        with nogil:
+            p = m.allocate(n, s)
+        return p
 
     def relocates(self, ptr):
         """True if swapping the allocation at ``ptr`` changes its pointer."""

@@ -90,9 +90,14 @@ class SwapManager {
   // Swaps out every resident live allocation (swap-ins in flight are waited for first).
   // Strong guarantee: on error those started are cancelled. Returns how many started.
   std::size_t swap_out_all(stream_t stream);
-  // Swaps in every tracked allocation, oldest swap-out first: (old, new) pointer pairs. Stops
-  // at the first error; those swapped in before stay swapping in.
-  std::vector<std::pair<device_ptr, device_ptr>> swap_in_all(stream_t stream);
+  // Swaps in every tracked allocation, oldest swap-out first, appending (old, new) pointer
+  // pairs to `moved` as it goes. Stops at the first error (rethrown); those swapped in before
+  // stay swapping in, and `moved` says which (their new pointers). Returns how many.
+  std::size_t swap_in_all(stream_t stream, std::vector<std::pair<device_ptr, device_ptr>>& moved);
+  // allocator()->allocate, except that an address naming a relocated allocation now on host
+  // is never returned (it would be ambiguous to state/swap_in): use it for new allocations
+  // while relocating allocations are swapped out.
+  device_ptr allocate(std::size_t nbytes, stream_t stream);
 
   SwapStats stats() const;
   // Frees the staging pool's cached host blocks; the bytes freed.
