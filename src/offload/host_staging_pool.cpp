@@ -59,15 +59,9 @@ void* HostStagingPool::allocate(std::size_t nbytes) {
     return p;
   }
   if (capacity_ != 0 && stats_.in_use_bytes + stats_.cached_bytes + c > capacity_) {
+    if (stats_.in_use_bytes + c > capacity_) throw_over_capacity(nbytes);
     release_cached_locked();  // cached blocks of other classes make room
-    if (stats_.in_use_bytes + c > capacity_)
-      throw HostOutOfMemory(
-          "SwapManager: out of pinned host memory: a request of " + std::to_string(nbytes) +
-              " bytes (class " + detail::human_bytes(c) + ") exceeds the host capacity of " +
-              detail::human_bytes(capacity_) + " with " + detail::human_bytes(stats_.in_use_bytes) +
-              " in use",
-          nbytes, "host in use " + std::to_string(stats_.in_use_bytes) + " of " +
-                      std::to_string(capacity_) + " bytes");
+    if (stats_.in_use_bytes + stats_.cached_bytes + c > capacity_) throw_over_capacity(nbytes);
   }
   void* p = device_->host_alloc(c);  // may throw: nothing changed
   in_use_.emplace(p, c);
@@ -76,6 +70,26 @@ void* HostStagingPool::allocate(std::size_t nbytes) {
   ++stats_.blocks_in_use;
   stats_.peak_in_use_bytes = std::max(stats_.peak_in_use_bytes, stats_.in_use_bytes);
   return p;
+}
+
+void HostStagingPool::throw_over_capacity(std::size_t nbytes) const {
+  const std::size_t c = size_class(nbytes);
+  throw HostOutOfMemory(
+      "SwapManager: out of pinned host memory: a request of " + std::to_string(nbytes) +
+          " bytes (class " + detail::human_bytes(c) + ") exceeds the host capacity of " +
+          detail::human_bytes(capacity_) + " with " + detail::human_bytes(stats_.in_use_bytes) +
+          " in use",
+      nbytes,
+      "host in use " + std::to_string(stats_.in_use_bytes) + " of " + std::to_string(capacity_) +
+          " bytes");
+}
+
+void HostStagingPool::check_capacity(std::size_t nbytes) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (capacity_ == 0 || nbytes == 0) return;
+  const std::size_t c = size_class(nbytes);
+  if (cached_.count(c) != 0) return;  // served from the cache
+  if (stats_.in_use_bytes + c > capacity_) throw_over_capacity(nbytes);
 }
 
 void HostStagingPool::deallocate(void* ptr) {

@@ -259,7 +259,7 @@ void SwapManager::swap_out_locked(device_ptr ptr, stream_t stream) {
   if (!relocating && chunks_->is_unbacked(ptr))
     throw InvalidArgument("SwapManager.swap_out: the allocation at " + hex(ptr) +
                           " is unbacked but not swapped out by this manager");
-  // Bookkeeping first (a bad_alloc changes nothing), then host memory, then events.
+  // Bookkeeping first (a bad_alloc changes nothing), then events and host memory.
   auto it = records_.emplace(ptr, Record{}).first;
   struct Undo {
     SwapManager* self;
@@ -280,11 +280,13 @@ void SwapManager::swap_out_locked(device_ptr ptr, stream_t stream) {
       self->records_.erase(ptr);
     }
   } undo{this, ptr};
-  undo.host = host_.allocate(nbytes);  // HostOutOfMemory over the host capacity
+  host_.check_capacity(nbytes);  // HostOutOfMemory before any driver call
   undo.order = events_.acquire();
   undo.done = events_.acquire();
   // The copy runs after the work queued on the caller's stream (which produced the data).
+  // Recorded first: an invalid stream fails before host memory is taken.
   device_->record_event(undo.order, stream);
+  undo.host = host_.allocate(nbytes);
   device_->wait_event(d2h_.handle, undo.order);
   device_->copy_to_host(undo.host, ptr, nbytes, d2h_.handle);
   try {

@@ -54,6 +54,9 @@ class HostStagingPool {
   // A block of at least `nbytes` (> 0). Throws HostOutOfMemory (over the capacity, after
   // freeing the cache), DeviceError / OutOfMemory from host_alloc; nothing changes then.
   void* allocate(std::size_t nbytes);
+  // Throws HostOutOfMemory if allocate(nbytes) would exceed the capacity even after freeing
+  // the cache; changes nothing (lets a caller fail before any driver call).
+  void check_capacity(std::size_t nbytes) const;
   // Returns a block to the cache. Throws InvalidArgument for a pointer not handed out here.
   void deallocate(void* ptr);
   // Frees every cached block; returns the bytes freed.
@@ -64,6 +67,7 @@ class HostStagingPool {
 
  private:
   std::size_t release_cached_locked() noexcept;
+  [[noreturn]] void throw_over_capacity(std::size_t nbytes) const;
 
   const std::shared_ptr<Device> device_;
   const std::size_t capacity_;
