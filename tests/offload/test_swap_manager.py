@@ -494,3 +494,25 @@ def test_an_unbacked_device_is_refused():
     dev = vmalloc.HostDevice(backed=False)
     with pytest.raises(vmalloc.InvalidArgumentError, match="not backed"):
         offload.SwapManager(vmalloc.VirtualAllocator(dev))
+
+
+def test_a_copy_queued_before_its_range_is_unmapped_faults_cleanly():
+    # HostDevice validates every piece of a copy against the mapping table when it runs: a
+    # range unmapped under a queued copy is a DeviceError at the next synchronization, never
+    # a segfault on the stream's thread.
+    dev = vmalloc.HostDevice(capacity="64MiB")
+    va = vmalloc.VirtualAllocator(dev)
+    s = dev.create_stream(non_blocking=True)
+    p = va.allocate(4 * MiB)
+    fill(dev, p, 4 * MiB, 9)
+    token = dev.hold_stream(s)
+    dev.copy_device(p + MiB, p, 16, s)  # queued behind the hold
+    va.unmap_backing(p, s, synchronize=False)  # the caller's promise broken on purpose
+    dev.release_hold(token)
+    with pytest.raises(vmalloc.DeviceError, match="not mapped"):
+        dev.synchronize_stream(s)
+    with pytest.raises(vmalloc.DeviceError, match="not mapped"):
+        dev.read(p, 16)  # refused when queued
+    va.map_backing(p)
+    va.deallocate(p)
+    dev.destroy_stream(s)
