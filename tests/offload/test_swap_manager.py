@@ -516,3 +516,19 @@ def test_a_copy_queued_before_its_range_is_unmapped_faults_cleanly():
     va.map_backing(p)
     va.deallocate(p)
     dev.destroy_stream(s)
+
+
+def test_a_logging_adaptor_relocates_and_lists_its_allocations(tmp_path):
+    dev = vmalloc.HostDevice(capacity="64MiB")
+    with vmalloc.LoggingAllocator(vmalloc.VirtualAllocator(dev), tmp_path / "t.vmtrace") as log:
+        swap = offload.SwapManager(log)
+        p = log.allocate(3 * MiB)
+        data = fill(dev, p, 3 * MiB, 10)
+        assert swap.relocates(p)  # the adaptor cannot unmap in place
+        assert swap.swap_out_all() == 1
+        swap.wait(p)
+        q = swap.swap_in(p)
+        swap.wait(q)
+        assert dev.read(q, 3 * MiB) == data
+        swap.deallocate(q)
+        del swap
