@@ -634,6 +634,14 @@ std::string CachingAllocator::describe_unknown(device_ptr ptr) const {
 
 // ---- introspection ----
 
+std::vector<std::pair<device_ptr, std::size_t>> CachingAllocator::live_allocations() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::pair<device_ptr, std::size_t>> out;
+  out.reserve(live_.size());
+  for (const auto& e : live_) out.emplace_back(e.first, e.second->requested);
+  return out;
+}
+
 std::size_t CachingAllocator::allocation_size(device_ptr ptr) const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = live_.find(ptr);

@@ -110,6 +110,10 @@ Stats LoggingAdaptor::stats() const { return upstream_->stats(); }
 
 void LoggingAdaptor::reset_peak_stats() { upstream_->reset_peak_stats(); }
 
+std::vector<std::pair<device_ptr, std::size_t>> LoggingAdaptor::live_allocations() const {
+  return upstream_->live_allocations();
+}
+
 std::size_t LoggingAdaptor::allocation_size(device_ptr ptr) const {
   return upstream_->allocation_size(ptr);
 }

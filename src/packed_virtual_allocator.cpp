@@ -550,6 +550,16 @@ void PackedVirtualAllocator::reset_peak_stats() {
   counters_.reset_peaks(reserved_bytes());
 }
 
+std::vector<std::pair<device_ptr, std::size_t>> PackedVirtualAllocator::live_allocations() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::pair<device_ptr, std::size_t>> out;
+  out.reserve(live_.size());
+  live_.for_each([&](std::uintptr_t key, std::uintptr_t v) {
+    out.emplace_back(key, reinterpret_cast<const Block*>(v)->requested);
+  });
+  return out;
+}
+
 std::size_t PackedVirtualAllocator::allocation_size(device_ptr ptr) const {
   std::lock_guard<std::mutex> lock(mutex_);
   const std::uintptr_t v = ptr == 0 ? 0 : live_.find(ptr);

@@ -97,6 +97,11 @@ void PhysicalChunkPool::give_back(physical_handle chunk) {
   cached_.push_back(chunk);
 }
 
+void PhysicalChunkPool::reserve_cache(std::size_t more) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  cached_.reserve(cached_.size() + more);
+}
+
 void PhysicalChunkPool::release(physical_handle chunk) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = given_out_.find(chunk);

@@ -360,7 +360,7 @@ void VirtualAllocator::unmap_tail(Range* r, std::size_t take, std::vector<physic
 }
 
 void VirtualAllocator::drop_reservation_if_empty(Reservation* res) {
-  if (res->mapped != 0) return;
+  if (res->mapped != 0 || res->unbacked != 0) return;  // unbacked live ranges keep it
   try {
     device_->free_address(res->base, res->slots * chunk_size_);
   } catch (...) {
@@ -401,6 +401,21 @@ void VirtualAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t s
     throw InvalidArgument("VirtualAllocator.deallocate: nbytes " + std::to_string(nbytes) +
                           " differs from the " + std::to_string(r->requested) +
                           " bytes allocated at " + hex(ptr));
+  if (r->unbacked) {
+    // Swapped out (unmap_backing): no chunk to cache, no work to order; its slots become
+    // unmapped address space, and the reservation goes once nothing else is in it.
+    Reservation* res = r->reservation;
+    live_.erase_at(slot);
+    --live_ranges_;
+    --unbacked_ranges_;
+    unbacked_chunks_ -= r->count;
+    unbacked_bytes_ -= r->requested;
+    --res->unbacked;
+    counters_.count_deallocation(0, 0);  // its bytes left the counts at unmap_backing
+    release_range(r);
+    drop_reservation_if_empty(res);
+    return;
+  }
   const PendingWork work = order_.on_free(stream);  // may throw: nothing changed
   live_.erase_at(slot);
   live_chunks_ -= r->count;
@@ -445,6 +460,7 @@ void VirtualAllocator::cache_range(Range* r) noexcept {
 void VirtualAllocator::release_range(Range* r) noexcept {
   r->reservation = nullptr;  // stale head/tail entries pointing here no longer validate
   r->count = 0;
+  r->unbacked = false;  // nodes are recycled
   ranges_.release(r);
 }
 
@@ -549,9 +565,178 @@ ChunkStats VirtualAllocator::chunk_stats() const {
   s.chunks_created = p.chunks_created;
   s.chunks_released = p.chunks_released;
   s.chunks_stolen = stolen_;
+  s.unbacked_ranges = unbacked_ranges_;
+  s.chunks_unbacked = unbacked_chunks_;
+  s.unbacked_bytes = unbacked_bytes_;
   s.events_created = order_.events_created();
   s.multi_stream = order_.multi_stream();
   return s;
+}
+
+std::vector<std::pair<device_ptr, std::size_t>> VirtualAllocator::live_allocations() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::pair<device_ptr, std::size_t>> out;
+  out.reserve(live_.size());
+  live_.for_each([&](std::uintptr_t key, std::uintptr_t v) {
+    const std::size_t n = (v & block_tag)
+                              ? reinterpret_cast<const ArenaBlock*>(v & ~block_tag)->requested
+                              : reinterpret_cast<const Range*>(v)->requested;
+    out.emplace_back(key, n);
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// swap primitives: a live chunk-path allocation loses and regains its chunks at one address
+
+VirtualAllocator::Range* VirtualAllocator::live_range(device_ptr ptr, const char* operation) const {
+  const std::uintptr_t v = ptr == 0 ? 0 : live_.find(ptr);
+  if (v == 0) throw_invalid_pointer(ptr, operation);
+  if (v & block_tag)
+    throw InvalidArgument(std::string("VirtualAllocator.") + operation + ": the allocation at " +
+                          hex(ptr) + " of " +
+                          std::to_string(reinterpret_cast<const ArenaBlock*>(v & ~block_tag)->requested) +
+                          " bytes is a small block sharing an arena chunk (at most small_threshold = " +
+                          std::to_string(small_threshold_) + " bytes): it owns no chunk of its own");
+  return reinterpret_cast<Range*>(v);
+}
+
+bool VirtualAllocator::owns_chunks(device_ptr ptr) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::uintptr_t v = ptr == 0 ? 0 : live_.find(ptr);
+  if (v == 0) throw_invalid_pointer(ptr, "owns_chunks");
+  return (v & block_tag) == 0;
+}
+
+bool VirtualAllocator::is_unbacked(device_ptr ptr) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::uintptr_t v = ptr == 0 ? 0 : live_.find(ptr);
+  if (v == 0) throw_invalid_pointer(ptr, "is_unbacked");
+  return (v & block_tag) == 0 && reinterpret_cast<const Range*>(v)->unbacked;
+}
+
+void VirtualAllocator::unmap_backing(device_ptr ptr, stream_t stream, bool synchronize) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Range* r = live_range(ptr, "unmap_backing");
+  if (r->unbacked)
+    throw InvalidArgument("VirtualAllocator.unmap_backing: the allocation at " + hex(ptr) +
+                          " is already unbacked");
+  Reservation* res = r->reservation;
+  const std::size_t k = r->count;
+  std::vector<physical_handle> handles;
+  handles.reserve(k);  // before any device call: a bad_alloc changes nothing
+  pool_.reserve_cache(k);
+  // cuMemUnmap does not wait for work using the memory: the stream's work must be done.
+  if (synchronize) device_->synchronize_stream(stream);  // may throw: nothing changed
+  device_->unmap(address_of(r), k * chunk_size_);        // one call over the run; may throw
+  for (std::size_t i = r->first; i < r->first + k; ++i) {
+    handles.push_back(res->handles[i]);
+    res->handles[i] = 0;
+  }
+  res->mapped -= k;
+  ++res->unbacked;
+  r->unbacked = true;
+  live_chunks_ -= k;
+  ++unbacked_ranges_;
+  unbacked_chunks_ += k;
+  unbacked_bytes_ += r->requested;
+  counters_.unback(r->requested, k * chunk_size_);
+  for (physical_handle h : handles) pool_.give_back(h);  // capacity reserved: cannot throw
+}
+
+void VirtualAllocator::map_backing(device_ptr ptr, stream_t stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Range* r = live_range(ptr, "map_backing");
+  if (!r->unbacked)
+    throw InvalidArgument("VirtualAllocator.map_backing: the allocation at " + hex(ptr) +
+                          " is backed (not swapped out)");
+  const std::size_t k = r->count;
+  const std::size_t nbytes = r->requested;
+  // Feasibility first, as allocate() decides it: free chunks anywhere count.
+  const std::size_t in_pool = pool_.chunks_cached();
+  const std::size_t creatable = pool_.creatable_chunks();
+  const std::size_t stealable = cached_chunks_ + arena_.empty_chunks();
+  if (saturating_add(saturating_add(in_pool, stealable), creatable) < k)
+    throw_out_of_memory(nbytes, std::to_string(in_pool + stealable) + " free chunks and " +
+                                    std::to_string(creatable) + " creatable to back " + hex(ptr));
+  order_.note_stream(stream);
+  Reservation* res = r->reservation;
+  const device_ptr base = address_of(r);
+  std::vector<physical_handle> chunks;
+  chunks.reserve(k);
+  pool_.reserve_cache(k);
+  std::size_t first_created = 0, created = 0, mapped = 0;
+  auto undo = [&]() noexcept {
+    if (mapped > 0) {
+      try {
+        device_->unmap(base, mapped * chunk_size_);
+      } catch (...) {
+        // Double fault: the chunks stay mapped in an unbacked range's slots. Record them
+        // there so that teardown unmaps them; the pool forgets them (never reused).
+        for (std::size_t i = 0; i < mapped; ++i) res->handles[r->first + i] = chunks[i];
+        res->mapped += mapped;
+        // Of the chunks dropped from the list, those created here leave the created run.
+        const std::size_t end_created = first_created + created;
+        const std::size_t dropped_created =
+            mapped > first_created ? std::min(mapped, end_created) - first_created : 0;
+        created -= dropped_created;
+        first_created = first_created > mapped ? first_created - mapped : 0;
+        chunks.erase(chunks.begin(), chunks.begin() + static_cast<std::ptrdiff_t>(mapped));
+        mapped = 0;
+      }
+    }
+    for (std::size_t i = 0; i < chunks.size(); ++i) {
+      try {
+        if (i >= first_created && i < first_created + created)
+          pool_.release(chunks[i]);
+        else
+          pool_.give_back(chunks[i]);
+      } catch (...) {
+      }
+    }
+  };
+  try {
+    for (physical_handle h; chunks.size() < k && (h = pool_.take_cached()) != 0;)
+      chunks.push_back(h);
+    if (steal_before_create_ && chunks.size() < k) steal(k - chunks.size(), chunks, false);
+    first_created = chunks.size();
+    for (std::size_t want = std::min(k - chunks.size(), creatable); want > 0; --want) {
+      physical_handle h;
+      try {
+        h = pool_.create();
+      } catch (const OutOfMemory&) {
+        break;  // the device is fuller than it said (shared): steal instead
+      }
+      chunks.push_back(h);
+      ++created;
+    }
+    if (chunks.size() < k) steal(k - chunks.size(), chunks, true);
+    if (chunks.size() < k)
+      throw OutOfMemory("VirtualAllocator: out of memory backing " + std::to_string(nbytes) +
+                            " bytes at " + hex(ptr) +
+                            ": the device refused chunks it reported free",
+                        nbytes, stats_locked().summary());
+    for (; mapped < k; ++mapped)
+      device_->map(base + mapped * chunk_size_, chunk_size_, chunks[mapped]);
+    device_->set_access(base, k * chunk_size_);  // a new mapping starts inaccessible
+  } catch (const OutOfMemory&) {
+    undo();
+    counters_.count_out_of_memory();
+    throw;
+  } catch (...) {
+    undo();
+    throw;
+  }
+  for (std::size_t i = 0; i < k; ++i) res->handles[r->first + i] = chunks[i];
+  res->mapped += k;
+  --res->unbacked;
+  r->unbacked = false;
+  live_chunks_ += k;
+  --unbacked_ranges_;
+  unbacked_chunks_ -= k;
+  unbacked_bytes_ -= nbytes;
+  counters_.reback(nbytes, k * chunk_size_);
+  counters_.note_reserved(reserved_bytes());
 }
 
 void VirtualAllocator::throw_out_of_memory(std::size_t nbytes, const std::string& why) {

@@ -6,7 +6,7 @@ from libcpp cimport bool
 from libcpp.memory cimport shared_ptr, static_pointer_cast
 
 from vmalloc._allocator cimport Allocator, CAllocator
-from vmalloc._device cimport CDevice, Device, vmalloc_raise_py_error
+from vmalloc._device cimport CDevice, Device, stream_handle, vmalloc_raise_py_error
 
 from vmalloc.sizes import parse_size
 
@@ -42,6 +42,9 @@ cdef extern from "vmalloc/virtual_allocator.hpp" namespace "vmalloc" nogil:
         size_t chunks_created
         size_t chunks_released
         size_t chunks_stolen
+        size_t unbacked_ranges
+        size_t chunks_unbacked
+        size_t unbacked_bytes
         size_t events_created
         bool multi_stream
 
@@ -55,6 +58,10 @@ cdef extern from "vmalloc/virtual_allocator.hpp" namespace "vmalloc" nogil:
         size_t small_threshold()
         size_t budget()
         bool steal_before_create()
+        bool owns_chunks(uint64_t ptr) except +vmalloc_raise_py_error
+        void unmap_backing(uint64_t ptr, uint64_t stream,
+                           bool synchronize) except +vmalloc_raise_py_error
+        void map_backing(uint64_t ptr, uint64_t stream) except +vmalloc_raise_py_error
 
 
 cdef extern from "vmalloc/packed_virtual_allocator.hpp" namespace "vmalloc" nogil:
@@ -362,9 +369,52 @@ cdef class VirtualAllocator(Allocator):
             "chunks_created": s.chunks_created,
             "chunks_released": s.chunks_released,
             "chunks_stolen": s.chunks_stolen,
+            "unbacked_ranges": s.unbacked_ranges,
+            "chunks_unbacked": s.chunks_unbacked,
+            "unbacked_bytes": s.unbacked_bytes,
             "events_created": s.events_created,
             "multi_stream": s.multi_stream,
         }
+
+    # --- the swap primitives (chunks placement; see :doc:`swap_manager`) ---
+
+    cdef CVirtualAllocator* chunks_only(self, what) except NULL:
+        if not self.c_virtual:
+            raise_invalid(f'{what} applies to placement="chunks" only: packed allocations '
+                          f'share chunks (the SwapManager relocates them)')
+        return self.c_virtual.get()
+
+    def owns_chunks(self, ptr):
+        """True if the live allocation at ``ptr`` owns whole chunks (above ``small_threshold``,
+        chunks placement), so that :meth:`unmap_backing` can unmap it alone."""
+        if self.c_packed:
+            self.allocation_size(ptr)  # InvalidPointerError for a pointer not live here
+            return False
+        return self.c_virtual.get().owns_chunks(ptr)
+
+    def unmap_backing(self, ptr, stream=0, synchronize=True):
+        """Unmaps the chunks of the live chunk-owning allocation at ``ptr`` (they return to
+        the pool); the allocation stays live at the same address, unbacked. With
+        ``synchronize`` the host first waits for ``stream``'s work."""
+        cdef CVirtualAllocator* a = self.chunks_only("unmap_backing")
+        cdef uint64_t p = ptr
+        cdef uint64_t s = _stream(stream)
+        cdef bool sync = True if synchronize else False
+        with nogil:
+            a.unmap_backing(p, s, sync)
+
+    def map_backing(self, ptr, stream=0):
+        """Maps chunks again under the unbacked allocation at ``ptr`` (same address, contents
+        undefined). Raises :class:`vmalloc.OutOfMemoryError` with nothing changed."""
+        cdef CVirtualAllocator* a = self.chunks_only("map_backing")
+        cdef uint64_t p = ptr
+        cdef uint64_t s = _stream(stream)
+        with nogil:
+            a.map_backing(p, s)
+
+
+def _stream(stream):
+    return stream_handle(stream)
 
 
 def raise_invalid(message):

@@ -5,6 +5,8 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "vmalloc/device.hpp"
 #include "vmalloc/stats.hpp"
@@ -40,6 +42,11 @@ class Allocator {
 
   // The size asked for at allocate() of a live allocation; throws InvalidPointer otherwise.
   virtual std::size_t allocation_size(device_ptr ptr) const = 0;
+
+  // Every live allocation as (address, size asked for), in no particular order. For the
+  // SwapManager's swap_out_all. The default throws InvalidArgument (an allocator that cannot
+  // list its allocations).
+  virtual std::vector<std::pair<device_ptr, std::size_t>> live_allocations() const;
 
   // "virtual", "caching", ...
   virtual std::string name() const = 0;

@@ -120,6 +120,7 @@ class CachingAllocator final : public Allocator {
   Stats stats() const override;
   void reset_peak_stats() override;
   std::size_t allocation_size(device_ptr ptr) const override;
+  std::vector<std::pair<device_ptr, std::size_t>> live_allocations() const override;
   std::string name() const override {
     return options_.expandable_segments ? "expandable-segments" : "caching";
   }

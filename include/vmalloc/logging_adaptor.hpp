@@ -42,6 +42,7 @@ class LoggingAdaptor final : public Allocator {
   Stats stats() const override;
   void reset_peak_stats() override;
   std::size_t allocation_size(device_ptr ptr) const override;
+  std::vector<std::pair<device_ptr, std::size_t>> live_allocations() const override;
   // "logging:" + the upstream's name.
   std::string name() const override;
   const std::shared_ptr<Device>& device() const override;

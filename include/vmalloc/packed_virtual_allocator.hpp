@@ -118,6 +118,7 @@ class PackedVirtualAllocator final : public Allocator {
   Stats stats() const override;
   void reset_peak_stats() override;
   std::size_t allocation_size(device_ptr ptr) const override;
+  std::vector<std::pair<device_ptr, std::size_t>> live_allocations() const override;
   std::string name() const override { return "virtual-packed"; }
   const std::shared_ptr<Device>& device() const override { return device_; }
 

@@ -51,6 +51,9 @@ class PhysicalChunkPool {
   // Returns an unmapped chunk to the cache. Throws InvalidArgument for a handle that is not
   // a chunk of this pool held by a caller.
   void give_back(physical_handle chunk);
+  // Makes room in the cache for `more` chunks, so that as many give_back() calls that follow
+  // cannot throw bad_alloc (a caller that must not fail after unmapping).
+  void reserve_cache(std::size_t more);
   // Releases a chunk held by a caller (unmapped or not) to the device. Throws
   // InvalidArgument like give_back(), DeviceError from the device (then still held).
   void release(physical_handle chunk);

@@ -78,6 +78,12 @@ struct ChunkStats {
   std::size_t chunks_created = 0;      // since construction
   std::size_t chunks_released = 0;
   std::size_t chunks_stolen = 0;       // unmapped from cached ranges and remapped elsewhere
+  // Live allocations whose chunks were unmapped (unmap_backing): their ranges stay reserved,
+  // they count in Stats.live_allocations but not in requested/allocated bytes, and their
+  // chunks are back in the pool (chunks_in_pool).
+  std::size_t unbacked_ranges = 0;
+  std::size_t chunks_unbacked = 0;     // chunk slots of those ranges, without chunks
+  std::size_t unbacked_bytes = 0;      // the sizes asked for of those allocations
   std::size_t events_created = 0;
   bool multi_stream = false;
 };
@@ -98,10 +104,34 @@ class VirtualAllocator final : public Allocator {
   Stats stats() const override;
   void reset_peak_stats() override;
   std::size_t allocation_size(device_ptr ptr) const override;
+  std::vector<std::pair<device_ptr, std::size_t>> live_allocations() const override;
   std::string name() const override { return "virtual"; }
   const std::shared_ptr<Device>& device() const override { return device_; }
 
   ChunkStats chunk_stats() const;
+
+  // --- pointer-stable swapping (the SwapManager's primitives, docs/swap_manager.rst) ---
+  // True if the live allocation at `ptr` owns whole chunks (the chunk path: requests above
+  // small_threshold), so that its chunks can be unmapped alone; false for a sub-allocated
+  // small block, which shares its chunk. Throws InvalidPointer for a pointer not live here.
+  bool owns_chunks(device_ptr ptr) const;
+  // True if `ptr` is live and currently unbacked (after unmap_backing). Throws InvalidPointer.
+  bool is_unbacked(device_ptr ptr) const;
+  // Unmaps the chunks of the live chunk-path allocation at `ptr` and returns them to the
+  // chunk pool (other allocations may take them); the virtual range stays reserved and the
+  // allocation stays live, unbacked: touching it faults until map_backing. Work queued on
+  // `stream` before this call may still use the memory, so with `synchronize` the host first
+  // waits for `stream` (cuMemUnmap does not order with streams); pass false only when the
+  // caller knows that every use of the memory has completed (an event it saw complete).
+  // Throws InvalidPointer (not live here), InvalidArgument (a small block, or already
+  // unbacked), DeviceError; a failed call changes nothing.
+  void unmap_backing(device_ptr ptr, stream_t stream, bool synchronize = true);
+  // Maps k chunks (the pool's cache, new ones within budget and capacity, stolen from cached
+  // ranges as allocate() would) at the unbacked allocation's own address and sets access:
+  // the pointer is the same, the contents undefined. Throws OutOfMemory or DeviceError with
+  // nothing changed, InvalidPointer / InvalidArgument (not unbacked).
+  void map_backing(device_ptr ptr, stream_t stream);
+
   std::size_t chunk_size() const noexcept { return chunk_size_; }
   std::size_t small_threshold() const noexcept { return small_threshold_; }
   std::size_t budget() const noexcept { return pool_.budget(); }
@@ -129,6 +159,9 @@ class VirtualAllocator final : public Allocator {
   void unmap_tail(Range* range, std::size_t take, std::vector<physical_handle>& out);
   // Puts a free range into the cache, merging it with cached neighbours.
   void cache_range(Range* range) noexcept;
+  // The live chunk-path range at ptr, for the swap primitives; throws InvalidPointer or
+  // InvalidArgument (a small block).
+  Range* live_range(device_ptr ptr, const char* operation) const;
   // Returns a range node to the node pool (invalidating stale slot entries).
   void release_range(Range* r) noexcept;
   // An arena chunk without live blocks goes back to the range cache.
@@ -168,6 +201,9 @@ class VirtualAllocator final : public Allocator {
   std::size_t live_ranges_ = 0;
   std::size_t live_blocks_ = 0;
   std::size_t stolen_ = 0;
+  std::size_t unbacked_ranges_ = 0;
+  std::size_t unbacked_chunks_ = 0;
+  std::size_t unbacked_bytes_ = 0;
   detail::AllocationCounters counters_;  // Stats but reserved bytes (the pool's)
 };
 

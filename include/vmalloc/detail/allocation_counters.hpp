@@ -32,6 +32,23 @@ class AllocationCounters {
     ++stats_.total_deallocations;
   }
 
+  // A live allocation loses (unback) or regains (reback) its physical backing: it stays live
+  // (counted in live_allocations) but its bytes leave requested and allocated bytes while it
+  // has no memory (VirtualAllocator::unmap_backing / map_backing).
+  void unback(std::size_t requested, std::size_t allocated) noexcept {
+    stats_.requested_bytes -= requested;
+    stats_.allocated_bytes -= allocated;
+  }
+  void reback(std::size_t requested, std::size_t allocated) noexcept {
+    Stats& s = stats_;
+    s.requested_bytes += requested;
+    s.allocated_bytes += allocated;
+    s.peak_requested_bytes = std::max(s.peak_requested_bytes, s.requested_bytes);
+    s.peak_allocated_bytes = std::max(s.peak_allocated_bytes, s.allocated_bytes);
+    s.peak_internal_fragmentation_bytes =
+        std::max(s.peak_internal_fragmentation_bytes, s.allocated_bytes - s.requested_bytes);
+  }
+
   void count_out_of_memory() noexcept { ++stats_.out_of_memory_count; }
 
   // Raises the reserved peak to `reserved_bytes` now held (the peak between snapshots).

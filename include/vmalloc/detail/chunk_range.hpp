@@ -28,6 +28,7 @@ struct ChunkRange {
   std::size_t count = 0;  // slots (chunks)
   RangeState state = RangeState::cached;
   std::size_t requested = 0;    // live: the size asked for
+  bool unbacked = false;        // live: chunks unmapped (VirtualAllocator::unmap_backing)
   PendingWork work;             // cached: what may still use the memory
   ArenaChunk* arena = nullptr;  // arena: the arena's record of this chunk
   ChunkRange* bucket_prev = nullptr;  // cached: size-bucket list hooks
@@ -39,6 +40,7 @@ struct ChunkReservation {
   device_ptr base = 0;
   std::size_t slots = 0;
   std::size_t mapped = 0;                // slots holding a chunk
+  std::size_t unbacked = 0;              // live ranges here without chunks: keep the range
   std::vector<physical_handle> handles;  // per slot; 0 = unmapped
   // The range starting / ending at each slot. Entries inside or outside current ranges may
   // be stale: read them only through range_starting_at / range_ending_at, which check.

@@ -1,0 +1,177 @@
+// SwapManager: moves the contents of live allocations to pinned host memory and back, behind
+// a stable pointer where the allocator allows it (docs/swap_manager.rst).
+//
+// A swap-out copies the allocation to a host staging block on a dedicated device-to-host
+// stream, ordered after the work queued on the caller's stream (an event recorded there), and
+// releases the device memory only once the copy has completed: chunk-owning VirtualAllocator
+// allocations are unmapped in place (VirtualAllocator::unmap_backing: the address stays
+// reserved, the pointer stays valid); every other allocation (small blocks that share a chunk,
+// packed placement, the caching allocator, adaptors) is deallocated and later allocated again:
+// it relocates, and swap_in returns its new pointer. A swap-in acquires device memory (map or
+// allocate; on OutOfMemory it first waits for in-flight swap-outs, oldest first, and retries),
+// then copies on a host-to-device stream ordered after the caller's stream. The host copy is
+// freed only once the swap-in's copy has completed: no data is ever lost.
+//
+// Thread-safe: one mutex, never held while the host waits for the device.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "vmalloc/allocator.hpp"
+#include "vmalloc/offload/host_staging_pool.hpp"
+
+namespace vmalloc {
+
+class VirtualAllocator;
+
+enum class SwapState : std::uint8_t { resident, swapping_out, on_host, swapping_in };
+// "resident", "swapping_out", "on_host", "swapping_in".
+const char* swap_state_name(SwapState state) noexcept;
+
+struct SwapManagerOptions {
+  std::size_t host_capacity = 0;  // most bytes of pinned host memory held; 0 = no limit
+};
+
+struct SwapStats {
+  std::size_t swap_outs = 0;            // swap-outs started (cancelled ones included)
+  std::size_t bytes_swapped_out = 0;
+  std::size_t swap_ins = 0;             // swap-ins started (copies queued)
+  std::size_t bytes_swapped_in = 0;
+  std::size_t cancelled_swap_outs = 0;  // swap_in of an allocation still swapping out
+  std::size_t relocations = 0;          // swap-ins that returned a different pointer
+  std::size_t relocating_swap_outs = 0; // swap-outs that deallocate instead of unmapping
+  std::size_t oom_retries = 0;          // waits for an in-flight swap-out after OutOfMemory
+  std::size_t swap_in_failures = 0;     // swap_in calls that finally raised OutOfMemory
+  std::size_t host_waits = 0;           // host waits for a copy (wait, deallocate, OOM retry)
+  double wait_seconds = 0.0;            // time spent in those waits
+  std::size_t swapping_out = 0;         // allocations in each state now
+  std::size_t on_host = 0;
+  std::size_t swapping_in = 0;
+  std::size_t events_created = 0;
+  HostStagingStats host;                // the pinned staging pool
+};
+
+class SwapManager {
+ public:
+  // Throws InvalidArgument for a null allocator or one that is not backed (no data to copy).
+  explicit SwapManager(std::shared_ptr<Allocator> allocator,
+                       const SwapManagerOptions& options = {});
+  // Waits for the device, then frees every host block, event and stream. Host copies still
+  // held are dropped: relocated allocations on host are lost, chunk-owning ones stay live
+  // and unbacked in the allocator (deallocate them there).
+  ~SwapManager();
+  SwapManager(const SwapManager&) = delete;
+  SwapManager& operator=(const SwapManager&) = delete;
+
+  // RESIDENT -> SWAPPING_OUT. An allocation still swapping in is first waited for (host).
+  void swap_out(device_ptr ptr, stream_t stream);
+  // ON_HOST -> SWAPPING_IN (returns the pointer: the same unless it relocates), or
+  // SWAPPING_OUT -> RESIDENT (a cancel: the memory is still mapped, nothing to copy back).
+  device_ptr swap_in(device_ptr ptr, stream_t stream);
+  // SWAPPING_IN: `stream` waits (device-side) for the copy. SWAPPING_OUT: the host waits for
+  // the copy and the memory is released (ON_HOST). Otherwise nothing.
+  void wait(device_ptr ptr, stream_t stream);
+  // The state of `ptr` (a tracked pointer, or a live allocation of the allocator: resident).
+  // Throws InvalidPointer otherwise.
+  SwapState state(device_ptr ptr);
+  // Frees an allocation in any state (waiting for a copy in flight), dropping its host copy.
+  void deallocate(device_ptr ptr, stream_t stream);
+  // Releases completed swap-outs and frees host copies of completed swap-ins, without
+  // blocking. Returns how many allocations changed state. Also done at the start of every
+  // call (errors then deferred to the next explicit poll or wait).
+  std::size_t poll();
+  // Swaps out every resident live allocation (swap-ins in flight are waited for first).
+  // Strong guarantee: on error those started are cancelled. Returns how many started.
+  std::size_t swap_out_all(stream_t stream);
+  // Swaps in every tracked allocation, oldest swap-out first, appending (old, new) pointer
+  // pairs to `moved` as it goes. Stops at the first error (rethrown); those swapped in before
+  // stay swapping in, and `moved` says which (their new pointers). Returns how many.
+  std::size_t swap_in_all(stream_t stream, std::vector<std::pair<device_ptr, device_ptr>>& moved);
+  // allocator()->allocate, except that an address naming a relocated allocation now on host
+  // is never returned (it would be ambiguous to state/swap_in): use it for new allocations
+  // while relocating allocations are swapped out.
+  device_ptr allocate(std::size_t nbytes, stream_t stream);
+
+  SwapStats stats() const;
+  // Frees the staging pool's cached host blocks; the bytes freed.
+  std::size_t release_cached_host();
+  // True if swapping `ptr` (a live allocation) relocates it.
+  bool relocates(device_ptr ptr) const;
+  stream_t d2h_stream() const noexcept { return d2h_.handle; }
+  stream_t h2d_stream() const noexcept { return h2d_.handle; }
+  const std::shared_ptr<Allocator>& allocator() const noexcept { return allocator_; }
+
+ private:
+  struct Record {
+    std::size_t nbytes = 0;
+    SwapState state = SwapState::resident;
+    bool relocating = false;
+    bool device_held = false;  // device memory held (not yet released / already acquired)
+    device_ptr device_addr = 0;  // where, when held
+    bool busy = false;         // a call works on it with the mutex released
+    void* host = nullptr;      // staging block holding (or receiving) the data
+    event_t done = 0;          // completion event of the copy in flight, 0 if none
+    stream_t stream = 0;       // the caller's stream of the last swap
+    std::uint64_t seq = 0;     // swap-out order (oldest first for OOM waits)
+  };
+  struct Zombie {  // a cancelled swap-out's host block, freed once its copy completes
+    void* host;
+    event_t done;
+  };
+  // Owned streams and pooled events, destroyed with the manager (errors swallowed).
+  struct OwnedStream {
+    Device* device = nullptr;
+    stream_t handle = 0;
+    ~OwnedStream();
+  };
+  class EventPool {
+   public:
+    explicit EventPool(Device& device) : device_(device) {}
+    ~EventPool();
+    event_t acquire();
+    void release(event_t event) noexcept;
+    std::size_t created() const noexcept { return all_.size(); }
+
+   private:
+    Device& device_;
+    std::vector<event_t> all_;
+    std::vector<event_t> free_;
+  };
+
+  // With mutex_ held.
+  Record* find(device_ptr ptr);
+  void check_not_busy(device_ptr ptr, const Record& r, const char* operation) const;
+  [[noreturn]] void throw_state(device_ptr ptr, SwapState state, const char* operation,
+                                const char* why) const;
+  void swap_out_locked(device_ptr ptr, stream_t stream);
+  device_ptr swap_in_locked(device_ptr ptr, stream_t stream, std::unique_lock<std::mutex>& lock);
+  device_ptr allocate_relocated(device_ptr old, std::size_t nbytes, stream_t stream);
+  void release_out(device_ptr ptr, Record& r);
+  void cancel_out(device_ptr ptr, Record& r, bool count_cancel);
+  std::size_t poll_locked(bool rethrow);
+  // Unlocks, host-waits for `event`, relocks (also when it throws); counts the wait.
+  void wait_unlocked(std::unique_lock<std::mutex>& lock, event_t event);
+  void wait_for_swap_ins(std::unique_lock<std::mutex>& lock);
+
+  const std::shared_ptr<Allocator> allocator_;
+  const std::shared_ptr<Device> device_;
+  VirtualAllocator* const chunks_;  // the allocator, when it can unmap in place
+  mutable std::mutex mutex_;
+  HostStagingPool host_;
+  EventPool events_;
+  OwnedStream d2h_;
+  OwnedStream h2d_;
+  std::map<device_ptr, Record> records_;  // every allocation not resident
+  std::vector<Zombie> zombies_;
+  std::uint64_t seq_ = 0;
+  SwapStats stats_;
+};
+
+}  // namespace vmalloc

@@ -1,0 +1,11 @@
+#include "vmalloc/allocator.hpp"
+
+#include "vmalloc/errors.hpp"
+
+namespace vmalloc {
+
+std::vector<std::pair<device_ptr, std::size_t>> Allocator::live_allocations() const {
+  throw InvalidArgument("allocator \"" + name() + "\" cannot list its live allocations");
+}
+
+}  // namespace vmalloc

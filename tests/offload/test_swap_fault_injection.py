@@ -1,0 +1,176 @@
+"""Every driver call of the swap paths failing once (the driver emulator's fault injection).
+
+For each scenario the calls of one operation are counted in a clean run; then, for every
+entry point and every call number k of it, a fresh device, allocator and SwapManager repeat
+the warm-up and the operation with the k-th call failing. Each time:
+
+* the operation raises a clear vmalloc error naming the failed call (or tolerates it),
+* the allocator's reserved bytes still equal what the device holds for it,
+* no data is lost: once the faults are cleared the data reads back, on the device or after a
+  successful swap_in,
+* nothing leaks: once everything is freed the emulated GPU holds nothing.
+"""
+
+import pytest
+
+import vmalloc
+from vmalloc import offload, testing
+
+MiB = 1 << 20
+
+FAULTABLE = [
+    "cuMemCreate", "cuMemRelease", "cuMemAddressReserve", "cuMemAddressFree", "cuMemMap",
+    "cuMemUnmap", "cuMemSetAccess", "cuMemHostAlloc", "cuMemFreeHost", "cuStreamCreate",
+    "cuStreamDestroy", "cuEventCreate", "cuEventDestroy", "cuEventRecord", "cuEventQuery",
+    "cuEventSynchronize", "cuStreamWaitEvent", "cuStreamSynchronize", "cuCtxSynchronize",
+    "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync", "cuMemcpyDtoDAsync",
+]
+FAULT_CODE = {"cuMemCreate": "CUDA_ERROR_OUT_OF_MEMORY", "cuMemHostAlloc": "CUDA_ERROR_OUT_OF_MEMORY",
+              "cuMemAddressReserve": "CUDA_ERROR_OUT_OF_MEMORY"}
+DEFAULT_CODE = "CUDA_ERROR_UNKNOWN"
+
+ALLOCATORS = {
+    "virtual": lambda d: vmalloc.VirtualAllocator(d),
+    "virtual-packed": lambda d: vmalloc.VirtualAllocator(d, placement="packed"),
+    "caching": lambda d: vmalloc.CachingAllocator(d),
+}
+
+
+class World:
+    def __init__(self, kind, size):
+        self.device = testing.emulated_cuda_device(capacity="64MiB", granularity="2MiB")
+        self.allocator = ALLOCATORS[kind](self.device)
+        self.swap = offload.SwapManager(self.allocator)
+        self.size = size
+        self.ptr = self.allocator.allocate(size)
+        self.data = bytes((i * 7 + 3) & 0xFF for i in range(size))
+        self.device.write(self.ptr, self.data)
+
+    def recover(self):
+        """Brings the data back to the device, whatever state the fault left; checks it."""
+        for _ in range(4):
+            state = self.swap.state(self.ptr)
+            if state == "swapping_out":
+                self.swap.wait(self.ptr)
+            elif state == "on_host":
+                self.ptr = self.swap.swap_in(self.ptr)
+            elif state == "swapping_in":
+                self.swap.wait(self.ptr)
+                self.device.synchronize()
+                self.swap.poll()
+            else:
+                break
+        assert self.swap.state(self.ptr) == "resident"
+        assert self.device.read(self.ptr, self.size) == self.data, "data lost"
+
+    def teardown(self, emu):
+        ordinal = self.device.ordinal
+        self.swap.deallocate(self.ptr)
+        self.device.synchronize()
+        del self.swap
+        self.allocator.release_cached()
+        del self.allocator
+        state = emu.device_state(ordinal)
+        held = {k: state[k] for k in testing.RESOURCE_FIELDS if k != "primary_context_refs"}
+        assert not any(held.values()), emu.leak_report(ordinal)
+        del self.device
+
+
+def _out(w):
+    w.swap.swap_out(w.ptr)
+    w.swap.wait(w.ptr)
+
+
+def _warm_out(w):
+    _out(w)
+
+
+def _in(w):
+    w.ptr = w.swap.swap_in(w.ptr)
+    w.swap.wait(w.ptr)
+    w.device.synchronize()
+    w.swap.poll()
+
+
+def _out_all(w):
+    w.swap.swap_out_all()
+    w.swap.wait(w.ptr)
+
+
+def _in_all(w):
+    moved = w.swap.swap_in_all()
+    w.ptr = moved[w.ptr]
+    w.swap.wait(w.ptr)
+    w.device.synchronize()
+    w.swap.poll()
+
+
+# name -> (warm_up(world), operation(world))
+SCENARIOS = {
+    "swap_out and wait": (lambda w: None, _out),
+    "swap_in and wait": (_warm_out, _in),
+    "swap_out_all": (lambda w: None, _out_all),
+    "swap_in_all": (_warm_out, _in_all),
+}
+
+
+@pytest.fixture
+def emu():
+    emulator = testing.emulator()
+    emulator.clear_faults()
+    yield emulator
+    emulator.clear_faults()
+
+
+def _calls(emu):
+    return {name: emu.call_count(name) for name in FAULTABLE}
+
+
+@pytest.mark.parametrize("size", [5 * MiB, 1000], ids=["chunks", "small"])
+@pytest.mark.parametrize("kind", list(ALLOCATORS))
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_every_driver_call_of_a_swap_failing_once(emu, scenario, kind, size):
+    warm_up, operation = SCENARIOS[scenario]
+    world = World(kind, size)
+    warm_up(world)
+    before = _calls(emu)
+    operation(world)
+    after = _calls(emu)
+    world.recover()
+    world.teardown(emu)
+    sites = [(name, k) for name in FAULTABLE for k in range(1, after[name] - before[name] + 1)]
+    assert sites
+
+    failures = []
+    for name, k in sites:
+        world = World(kind, size)
+        warm_up(world)
+        code = FAULT_CODE.get(name, DEFAULT_CODE)
+        where = f"{scenario}, {kind}, {size} bytes: call {k} of {name} failing with {code}"
+        emu.set_fault(name, k, code)
+        try:
+            operation(world)
+            raised = None
+        except vmalloc.VmallocError as error:
+            raised = error
+        except Exception as error:  # noqa: BLE001 - anything else is a bug
+            failures.append(f"{where}: raised {type(error).__name__}: {error}")
+            raised = error
+        emu.clear_faults()
+        try:
+            if isinstance(raised, vmalloc.DeviceError):
+                assert (raised.call, raised.code_name) == (name, code), repr(raised)
+            elif isinstance(raised, vmalloc.OutOfMemoryError):
+                assert code == "CUDA_ERROR_OUT_OF_MEMORY", repr(raised)
+            stats = world.allocator.stats()
+            assert stats.reserved_bytes == world.device.physical_bytes_in_use
+            world.recover()  # no data lost
+            warm_up(world)
+            operation(world)  # and the operation now succeeds
+            world.recover()
+            world.teardown(emu)
+        except AssertionError as error:
+            failures.append(f"{where}: {error}")
+        except Exception as error:  # noqa: BLE001
+            failures.append(f"{where}: afterwards {type(error).__name__}: {error}")
+    assert not failures, "\n".join(failures)
