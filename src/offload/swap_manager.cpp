@@ -111,7 +111,28 @@ SwapManager::~SwapManager() {
 
 SwapManager::Record* SwapManager::find(device_ptr ptr) {
   auto it = records_.find(ptr);
-  return it == records_.end() ? nullptr : &it->second;
+  if (it != records_.end()) return &it->second;
+  auto a = alias_.find(ptr);
+  if (a == alias_.end()) return nullptr;
+  auto r = records_.find(a->second);
+  if (r == records_.end()) return nullptr;
+  if (r->second.device_held && r->second.device_addr == ptr) return &r->second;
+  // Released: the old address names the record unless the allocator gave it to a live
+  // allocation meanwhile (which it then names).
+  try {
+    allocator_->allocation_size(ptr);
+    return nullptr;
+  } catch (const InvalidPointer&) {
+    return &r->second;
+  }
+}
+
+void SwapManager::erase_record(Record& r) noexcept {
+  if (r.old_addr != 0) {
+    auto a = alias_.find(r.old_addr);
+    if (a != alias_.end() && a->second == r.key) alias_.erase(a);
+  }
+  records_.erase(r.key);
 }
 
 void SwapManager::throw_state(device_ptr ptr, SwapState state, const char* operation,
@@ -144,7 +165,7 @@ void SwapManager::release_out(device_ptr ptr, Record& r) {
   // The copy has completed, and it was ordered after the caller's work before swap_out: no
   // work uses the memory any more, so no further host wait.
   if (r.relocating)
-    allocator_->deallocate(ptr, r.nbytes, r.stream);
+    allocator_->deallocate(r.device_addr, r.nbytes, r.stream);
   else
     chunks_->unmap_backing(ptr, r.stream, /*synchronize=*/false);
   r.device_held = false;
@@ -166,7 +187,8 @@ void SwapManager::cancel_out(device_ptr ptr, Record& r, bool count_cancel) {
     stats_.bytes_swapped_out -= r.nbytes;
     if (r.relocating) --stats_.relocating_swap_outs;
   }
-  records_.erase(ptr);
+  (void)ptr;
+  erase_record(r);
 }
 
 std::size_t SwapManager::poll_locked(bool rethrow) {
@@ -206,7 +228,7 @@ std::size_t SwapManager::poll_locked(bool rethrow) {
         // The copy to the device is done: only now may the host copy go.
         host_.deallocate(r.host);
         events_.release(r.done);
-        records_.erase(ptr);
+        erase_record(r);
         ++changed;
       }
     } catch (...) {
@@ -229,7 +251,7 @@ void SwapManager::wait_for_swap_ins(std::unique_lock<std::mutex>& lock) {
 // ---------------------------------------------------------------------------------------------
 // swap out
 
-void SwapManager::swap_out(device_ptr ptr, stream_t stream) {
+device_ptr SwapManager::swap_out(device_ptr ptr, stream_t stream) {
   std::unique_lock<std::mutex> lock(mutex_);
   poll_locked(false);
   if (Record* r = find(ptr)) {
@@ -250,10 +272,10 @@ void SwapManager::swap_out(device_ptr ptr, stream_t stream) {
     if (Record* still = find(ptr))
       throw_state(ptr, still->state, "swap_out", "its swap-in could not be completed");
   }
-  swap_out_locked(ptr, stream);
+  return swap_out_locked(ptr, stream);
 }
 
-void SwapManager::swap_out_locked(device_ptr ptr, stream_t stream) {
+device_ptr SwapManager::swap_out_locked(device_ptr ptr, stream_t stream) {
   const std::size_t nbytes = allocator_->allocation_size(ptr);  // InvalidPointer if not live
   const bool relocating = chunks_ == nullptr || !chunks_->owns_chunks(ptr);
   if (!relocating && chunks_->is_unbacked(ptr))
@@ -314,9 +336,28 @@ void SwapManager::swap_out_locked(device_ptr ptr, stream_t stream) {
   r.done = undo.done;
   r.stream = stream;
   r.seq = ++seq_;
+  r.key = ptr;
   ++stats_.swap_outs;
   stats_.bytes_swapped_out += nbytes;
-  if (relocating) ++stats_.relocating_swap_outs;
+  if (relocating) {
+    ++stats_.relocating_swap_outs;
+    // Known from now on by its host block's address: once its memory is released, the
+    // allocator may hand `ptr` to another allocation. Moving the node allocates nothing;
+    // the alias (old address -> key) is a convenience, skipped if it cannot be stored.
+    const device_ptr key = reinterpret_cast<device_ptr>(r.host);
+    auto node = records_.extract(ptr);
+    node.key() = key;
+    records_.insert(std::move(node));
+    Record& moved = records_.at(key);
+    moved.key = key;
+    try {
+      alias_[ptr] = key;
+      moved.old_addr = ptr;
+    } catch (...) {
+    }
+    return key;
+  }
+  return ptr;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -326,37 +367,6 @@ device_ptr SwapManager::swap_in(device_ptr ptr, stream_t stream) {
   std::unique_lock<std::mutex> lock(mutex_);
   poll_locked(false);
   return swap_in_locked(ptr, stream, lock);
-}
-
-device_ptr SwapManager::allocate_relocated(device_ptr old, std::size_t nbytes, stream_t stream) {
-  // The old pointer names the record until swap_in returns; a new address that names
-  // another record (an allocation on host whose memory was freed) is skipped, so that
-  // pointers stay unambiguous.
-  device_ptr p = allocator_->allocate(nbytes, stream);
-  std::vector<device_ptr> skipped;
-  auto give_back = [&]() noexcept {
-    for (device_ptr q : skipped) {
-      try {
-        allocator_->deallocate(q, nbytes, stream);
-      } catch (...) {
-      }
-    }
-  };
-  try {
-    while (p != 0 && p != old && records_.count(p) != 0) {
-      if (skipped.size() >= 16)
-        throw Error("SwapManager.swap_in: the allocator keeps returning addresses of "
-                    "allocations on host");
-      skipped.push_back(p);
-      p = 0;
-      p = allocator_->allocate(nbytes, stream);
-    }
-  } catch (...) {
-    give_back();
-    throw;
-  }
-  give_back();
-  return p;
 }
 
 device_ptr SwapManager::swap_in_locked(device_ptr ptr, stream_t stream,
@@ -381,8 +391,9 @@ device_ptr SwapManager::swap_in_locked(device_ptr ptr, stream_t stream,
       throw;
     }
     r->busy = false;
+    const device_ptr addr = r->device_addr;
     cancel_out(ptr, *r, true);
-    return ptr;
+    return addr;
   }
   // ON_HOST: acquire device memory, waiting for in-flight swap-outs on OutOfMemory.
   r->busy = true;
@@ -394,11 +405,11 @@ device_ptr SwapManager::swap_in_locked(device_ptr ptr, stream_t stream,
   } unbusy{r};
   while (!r->device_held) {
     try {
-      device_ptr p = ptr;
+      device_ptr p = r->key;
       if (r->relocating)
-        p = allocate_relocated(ptr, r->nbytes, stream);
+        p = allocator_->allocate(r->nbytes, stream);
       else
-        chunks_->map_backing(ptr, stream);
+        chunks_->map_backing(r->key, stream);
       r->device_held = true;
       r->device_addr = p;
     } catch (const OutOfMemory&) {
@@ -447,7 +458,7 @@ device_ptr SwapManager::swap_in_locked(device_ptr ptr, stream_t stream,
       if (r->relocating)
         allocator_->deallocate(p, r->nbytes, stream);
       else
-        chunks_->unmap_backing(ptr, stream, /*synchronize=*/false);
+        chunks_->unmap_backing(r->key, stream, /*synchronize=*/false);
       r->device_held = false;
       r->device_addr = 0;
     } catch (...) {
@@ -461,12 +472,19 @@ device_ptr SwapManager::swap_in_locked(device_ptr ptr, stream_t stream,
   r->busy = false;
   ++stats_.swap_ins;
   stats_.bytes_swapped_in += r->nbytes;
-  if (p != ptr) {
-    // Relocated: the record is now known by its new pointer (node moved, no allocation).
-    auto node = records_.extract(ptr);
+  if (r->relocating) {
+    // The record is now known by its new pointer (node moved, no allocation); the old
+    // address no longer names it.
+    if (p != r->old_addr) ++stats_.relocations;
+    if (r->old_addr != 0) {
+      auto a = alias_.find(r->old_addr);
+      if (a != alias_.end() && a->second == r->key) alias_.erase(a);
+      r->old_addr = 0;
+    }
+    auto node = records_.extract(r->key);
     node.key() = p;
     records_.insert(std::move(node));
-    ++stats_.relocations;
+    records_.at(p).key = p;
   }
   r = nullptr;  // nothing left for Unbusy
   return p;
@@ -531,11 +549,11 @@ void SwapManager::deallocate(device_ptr ptr, stream_t stream) {
   if (r->device_held)
     allocator_->deallocate(r->device_addr, r->nbytes, stream);
   else if (!r->relocating)
-    allocator_->deallocate(ptr, r->nbytes, stream);  // the unbacked range
+    allocator_->deallocate(r->key, r->nbytes, stream);  // the unbacked range
   r->device_held = false;
   host_.deallocate(r->host);
   events_.release(r->done);
-  records_.erase(ptr);
+  erase_record(*r);
 }
 
 std::size_t SwapManager::poll() {
@@ -546,20 +564,25 @@ std::size_t SwapManager::poll() {
 // ---------------------------------------------------------------------------------------------
 // everything at once
 
-std::size_t SwapManager::swap_out_all(stream_t stream) {
+std::size_t SwapManager::swap_out_all(stream_t stream,
+                                      std::vector<std::pair<device_ptr, device_ptr>>* keys) {
   std::unique_lock<std::mutex> lock(mutex_);
   poll_locked(false);
   wait_for_swap_ins(lock);
   auto live = allocator_->live_allocations();
   std::sort(live.begin(), live.end());
-  std::vector<device_ptr> started;
+  std::vector<device_ptr> started;  // keys
   started.reserve(live.size());
+  std::vector<std::pair<device_ptr, device_ptr>> pairs;
+  pairs.reserve(live.size());
   try {
     for (const auto& e : live) {
-      if (records_.count(e.first) != 0) continue;  // already out (or on its way)
-      swap_out_locked(e.first, stream);
-      started.push_back(e.first);
+      if (find(e.first) != nullptr) continue;  // already out (or on its way)
+      const device_ptr key = swap_out_locked(e.first, stream);
+      started.push_back(key);
+      pairs.emplace_back(e.first, key);
     }
+    if (keys != nullptr) keys->insert(keys->end(), pairs.begin(), pairs.end());
   } catch (...) {
     // Roll back: the copies started read memory the caller keeps using; wait for them (an
     // error path, so the host waits under the mutex). Their host blocks go once their events
@@ -592,6 +615,7 @@ std::size_t SwapManager::swap_in_all(stream_t stream,
     if (r == nullptr || r->busy ||
         (r->state != SwapState::on_host && r->state != SwapState::swapping_out))
       continue;  // changed by another thread while this one waited
+    // Keyed by the name swap_out gave it: old addresses may have been reused meanwhile.
     moved.emplace_back(o.second, swap_in_locked(o.second, stream, lock));
     ++n;
   }
@@ -599,9 +623,9 @@ std::size_t SwapManager::swap_in_all(stream_t stream,
 }
 
 device_ptr SwapManager::allocate(std::size_t nbytes, stream_t stream) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (nbytes == 0) return 0;
-  return allocate_relocated(0, nbytes, stream);
+  // Names of relocated allocations on host are host addresses, never device ones, so any
+  // address the allocator returns is unambiguous.
+  return allocator_->allocate(nbytes, stream);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -631,8 +655,7 @@ std::size_t SwapManager::release_cached_host() {
 
 bool SwapManager::relocates(device_ptr ptr) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = records_.find(ptr);
-  if (it != records_.end()) return it->second.relocating;
+  if (const Record* r = const_cast<SwapManager*>(this)->find(ptr)) return r->relocating;
   allocator_->allocation_size(ptr);
   return chunks_ == nullptr || !chunks_->owns_chunks(ptr);
 }

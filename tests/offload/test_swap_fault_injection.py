@@ -98,8 +98,8 @@ def _out_all(w):
 
 
 def _in_all(w):
-    moved = w.swap.swap_in_all()
-    w.ptr = moved[w.ptr]
+    moved = w.swap.swap_in_all()     # {key: new}; the one allocation
+    (w.ptr,) = moved.values()
     w.swap.wait(w.ptr)
     w.device.synchronize()
     w.swap.poll()

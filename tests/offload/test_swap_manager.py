@@ -185,7 +185,7 @@ def test_never_out_of_memory_while_swap_outs_in_flight_would_free_enough(make_de
         big, small = 4 * MiB, 4 * MiB
     else:
         # a: one 20 MiB segment; c and f split the other. a's memory, once released, is the
-        # only free memory, and its first half is a's own (on host) address: skipped.
+        # only free memory.
         alloc = vmalloc.CachingAllocator(dev)
         big, small = 20 * MiB, 10 * MiB
     swap = offload.SwapManager(alloc)
@@ -195,19 +195,19 @@ def test_never_out_of_memory_while_swap_outs_in_flight_would_free_enough(make_de
     f = alloc.allocate(small) if kind == "caching" else None
     data_a = fill(dev, a, big, 4)
     data_c = fill(dev, c, small, 5)
-    swap.swap_out(c)
-    swap.wait(c)
-    # Takes c's memory: the device is full again. (Straight from the allocator: the manager
-    # would not hand out c's address while c is on host.)
+    kc = swap.swap_out(c)
+    swap.wait(kc)
+    # Takes c's memory: the device is full again. (c is known by kc now: its old address may
+    # name d.)
     d = alloc.allocate(small)
     release = hold(dev, s)
     timer = None
     try:
-        swap.swap_out(a, s)  # its copy waits behind the hold: in flight
-        assert swap.state(a) == "swapping_out"
+        ka = swap.swap_out(a, s)  # its copy waits behind the hold: in flight
+        assert swap.state(ka) == "swapping_out"
         timer = release_later(release)
         t0 = time.monotonic()
-        c2 = swap.swap_in(c)  # OOM first, then waits for a's copy and takes its memory
+        c2 = swap.swap_in(kc)  # OOM first, then waits for a's copy and takes its memory
         waited = time.monotonic() - t0
     finally:
         if timer is None:
@@ -218,14 +218,14 @@ def test_never_out_of_memory_while_swap_outs_in_flight_would_free_enough(make_de
     st = swap.stats()
     assert st["oom_retries"] == 1 and st["swap_in_failures"] == 0
     assert st["host_waits"] >= 2 and st["wait_seconds"] >= 0.2
-    assert swap.state(a) == "on_host"
+    assert swap.state(ka) == "on_host"
     swap.wait(c2)
     assert dev.read(c2, small) == data_c
     alloc.deallocate(d)
     for p in (c2, f):  # room for a's whole segment again
         if p is not None:
             swap.deallocate(p)
-    a2 = swap.swap_in(a)
+    a2 = swap.swap_in(ka)
     swap.wait(a2)
     assert dev.read(a2, big) == data_a
     swap.deallocate(a2)
@@ -336,20 +336,27 @@ def test_relocating_allocations_get_a_new_pointer_with_their_data(placement):
     p = alloc.allocate(n)
     assert swap.relocates(p)
     data = fill(dev, p, n, 8)
-    swap.swap_out(p)
-    swap.wait(p)
+    key = swap.swap_out(p)
+    assert key != p                      # a host address names it from now on
+    assert swap.state(p) == swap.state(key) == "swapping_out"  # p too, while it holds p
+    swap.wait(key)
     assert alloc.stats().live_allocations == 0  # deallocated while on host
-    squatter = swap.allocate(n)  # never the address of the allocation on host
-    assert squatter != p
-    q = swap.swap_in(p, s)  # another stream: the caching allocator's pools are per stream
+    assert swap.state(p) == "on_host"    # p still names it: no live allocation has p
+    squatter = swap.allocate(n)          # may well be at p: the caching allocator reuses it
+    if squatter == p:
+        assert swap.state(p) == "resident"   # p now names the squatter
+    assert swap.state(key) == "on_host"
+    q = swap.swap_in(key, s)  # another stream: the caching allocator's pools are per stream
     assert q != squatter
     swap.wait(q, s)
     assert dev.read(q, n, s) == data
     st = swap.stats()
     assert st["relocations"] == (1 if q != p else 0) and st["relocating_swap_outs"] == 1
-    if placement == "caching":
+    if placement == "caching" and squatter == p:
         assert q != p
     assert swap.state(q) in ("resident", "swapping_in")
+    with pytest.raises(vmalloc.InvalidPointerError):
+        swap.state(key)                  # the key names nothing once swapped in
     swap.deallocate(q, s)
     swap.deallocate(squatter)
     dev.synchronize()
@@ -418,16 +425,20 @@ def test_swap_out_all_and_swap_in_all(kind):
     sizes = [100, 5000, MiB + 1, 3 * MiB, 7 * MiB + 5]
     ptrs = [alloc.allocate(n) for n in sizes]
     datas = [fill(dev, p, n, i) for i, (p, n) in enumerate(zip(ptrs, sizes))]
-    assert swap.swap_out_all() == len(sizes)
-    assert swap.swap_out_all() == 0
+    keys = swap.swap_out_all()
+    assert sorted(keys) == sorted(ptrs)
+    for p, n in zip(ptrs, sizes):
+        # A relocating swap names the allocation by a host address from now on.
+        assert (keys[p] == p) == (kind == "virtual" and n > alloc.small_threshold)
+    assert swap.swap_out_all() == {}
     for p in ptrs:
         swap.wait(p)
         assert swap.state(p) == "on_host"
     assert alloc.stats().allocated_bytes == 0
     moved = swap.swap_in_all()
-    assert sorted(moved) == sorted(ptrs)
+    assert sorted(moved) == sorted(keys.values())
     for p, n, data in zip(ptrs, sizes, datas):
-        q = moved[p]
+        q = moved[keys[p]]
         if kind == "virtual" and n > alloc.small_threshold:
             assert q == p
         swap.wait(q)
@@ -525,7 +536,7 @@ def test_a_logging_adaptor_relocates_and_lists_its_allocations(tmp_path):
         p = log.allocate(3 * MiB)
         data = fill(dev, p, 3 * MiB, 10)
         assert swap.relocates(p)  # the adaptor cannot unmap in place
-        assert swap.swap_out_all() == 1
+        assert len(swap.swap_out_all()) == 1
         swap.wait(p)
         q = swap.swap_in(p)
         swap.wait(q)

@@ -77,7 +77,10 @@ def make_machine(make_device, make_allocator):
             if k is None:
                 return
             o = self.objs[k]
-            self.swap.swap_out(o["ptr"], self.streams[s])  # waits for a swap-in first
+            old = o["ptr"]
+            o["ptr"] = self.swap.swap_out(old, self.streams[s])  # waits for a swap-in first
+            assert (o["ptr"] == old) == o["owns"]    # relocating: a host address names it
+            o["orig"] = old
             o["where"] = "out"
             assert self.swap.state(o["ptr"]) in ("swapping_out", "on_host")
 
@@ -134,10 +137,13 @@ def make_machine(make_device, make_allocator):
 
         @rule(s=st.integers(0, 2))
         def swap_out_all(self, s):
-            n = self.swap.swap_out_all(self.streams[s])
-            assert n == sum(1 for o in self.objs.values() if o["where"] != "out")
+            keys = self.swap.swap_out_all(self.streams[s])
+            assert len(keys) == sum(1 for o in self.objs.values() if o["where"] != "out")
             for o in self.objs.values():
-                o["where"] = "out"
+                if o["where"] != "out":
+                    o["orig"] = o["ptr"]
+                    o["ptr"] = keys[o["ptr"]]
+                    o["where"] = "out"
 
         @rule(s=st.integers(0, 2))
         def swap_in_all(self, s):

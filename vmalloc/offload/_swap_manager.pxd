@@ -56,13 +56,14 @@ cdef extern from "vmalloc/offload/swap_manager.hpp" namespace "vmalloc" nogil:
     cdef cppclass CSwapManager "vmalloc::SwapManager":
         CSwapManager(shared_ptr[CAllocator] allocator,
                      const CSwapManagerOptions& options) except +vmalloc_raise_py_error
-        void swap_out(uintptr_t ptr, uintptr_t stream) except +vmalloc_raise_py_error
+        uintptr_t swap_out(uintptr_t ptr, uintptr_t stream) except +vmalloc_raise_py_error
         uintptr_t swap_in(uintptr_t ptr, uintptr_t stream) except +vmalloc_raise_py_error
         void wait(uintptr_t ptr, uintptr_t stream) except +vmalloc_raise_py_error
         CSwapState state(uintptr_t ptr) except +vmalloc_raise_py_error
         void deallocate(uintptr_t ptr, uintptr_t stream) except +vmalloc_raise_py_error
         size_t poll() except +vmalloc_raise_py_error
-        size_t swap_out_all(uintptr_t stream) except +vmalloc_raise_py_error
+        size_t swap_out_all(uintptr_t stream, vector[pair[uintptr_t, uintptr_t]]* keys) \
+            except +vmalloc_raise_py_error
         size_t swap_in_all(uintptr_t stream,
                            vector[pair[uintptr_t, uintptr_t]]& moved) \
             except +vmalloc_raise_py_error

@@ -66,14 +66,21 @@ cdef class SwapManager:
     def swap_out(self, ptr, stream=0):
         """Starts copying the resident allocation at ``ptr`` to host, after the work queued on
         ``stream``; its device memory is released once the copy has completed (:meth:`poll`,
-        :meth:`wait`, or any later call). Raises :class:`vmalloc.InvalidArgumentError` for an
-        allocation that is not resident, :class:`vmalloc.InvalidPointerError` for an unknown
-        pointer, :class:`vmalloc.OutOfMemoryError` beyond ``host_capacity``."""
+        :meth:`wait`, or any later call). Returns the allocation's name while it is out:
+        ``ptr`` itself when the swap keeps the pointer (chunk-owning allocations of the
+        virtual allocator); for a relocating swap a host address, since the allocator may give
+        ``ptr`` to another allocation once the memory is released (``ptr`` keeps naming it
+        while no live allocation has that address). Raises
+        :class:`vmalloc.InvalidArgumentError` for an allocation that is not resident,
+        :class:`vmalloc.InvalidPointerError` for an unknown pointer,
+        :class:`vmalloc.OutOfMemoryError` beyond ``host_capacity``."""
         cdef uintptr_t p = _pointer(ptr)
         cdef uintptr_t s = stream_handle(stream)
         cdef CSwapManager* m = self.get()
+        cdef uintptr_t key
         with nogil:
-            m.swap_out(p, s)
+            key = m.swap_out(p, s)
+        return key
 
     def swap_in(self, ptr, stream=0):
         """Brings the allocation at ``ptr`` back to the device, copying after the work queued
@@ -128,17 +135,19 @@ cdef class SwapManager:
 
     def swap_out_all(self, stream=0):
         """Swaps out every resident live allocation of the allocator (vLLM's sleep mode);
-        returns how many. On error none of them stays swapping out."""
+        returns ``{pointer: key}`` for those it started (the key as :meth:`swap_out` returns
+        it). On error none of them stays swapping out."""
         cdef uintptr_t s = stream_handle(stream)
         cdef CSwapManager* m = self.get()
-        cdef size_t n
+        cdef vector[pair[uintptr_t, uintptr_t]] keys
         with nogil:
-            n = m.swap_out_all(s)
-        return n
+            m.swap_out_all(s, &keys)
+        return {p.first: p.second for p in keys}
 
     def swap_in_all(self, stream=0):
         """Swaps every swapped-out allocation back in, oldest swap-out first; returns
-        ``{old: new}`` pointers (equal unless relocated). Stops at the first error: the
+        ``{key: new}``: the name each has while out (as :meth:`swap_out` and
+        :meth:`swap_out_all` return it) and its pointer now (equal unless relocated). Stops at the first error: the
         exception's ``moved`` attribute is the ``{old: new}`` of those swapped in before it
         (they stay swapping in); the others stay swapped out."""
         cdef uintptr_t s = stream_handle(stream)
@@ -153,9 +162,8 @@ cdef class SwapManager:
         return {p.first: p.second for p in moved}
 
     def allocate(self, nbytes, stream=0):
-        """``allocator.allocate(nbytes, stream)``, except that it never returns the address
-        of a relocated allocation now on host (which names that allocation here): allocate
-        through the manager while relocating allocations are swapped out."""
+        """``allocator.allocate(nbytes, stream)`` (relocated allocations on host are named by
+        host addresses, so any device address is unambiguous)."""
         cdef size_t n = parse_size(nbytes, "nbytes")
         cdef uintptr_t s = stream_handle(stream)
         cdef CSwapManager* m = self.get()

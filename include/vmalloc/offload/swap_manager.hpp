@@ -71,7 +71,11 @@ class SwapManager {
   SwapManager& operator=(const SwapManager&) = delete;
 
   // RESIDENT -> SWAPPING_OUT. An allocation still swapping in is first waited for (host).
-  void swap_out(device_ptr ptr, stream_t stream);
+  // Returns the allocation's name while it is out: `ptr` itself when the swap keeps the
+  // pointer; for a relocating swap, a host address (never a device address), because once
+  // the memory is released the allocator may give `ptr` to another allocation. The old
+  // pointer also names it while no live allocation has that address.
+  device_ptr swap_out(device_ptr ptr, stream_t stream);
   // ON_HOST -> SWAPPING_IN (returns the pointer: the same unless it relocates), or
   // SWAPPING_OUT -> RESIDENT (a cancel: the memory is still mapped, nothing to copy back).
   device_ptr swap_in(device_ptr ptr, stream_t stream);
@@ -89,14 +93,14 @@ class SwapManager {
   std::size_t poll();
   // Swaps out every resident live allocation (swap-ins in flight are waited for first).
   // Strong guarantee: on error those started are cancelled. Returns how many started.
-  std::size_t swap_out_all(stream_t stream);
-  // Swaps in every tracked allocation, oldest swap-out first, appending (old, new) pointer
-  // pairs to `moved` as it goes. Stops at the first error (rethrown); those swapped in before
+  // Appends (pointer, key) pairs to `keys` when given (the key as swap_out returns it).
+  std::size_t swap_out_all(stream_t stream,
+                           std::vector<std::pair<device_ptr, device_ptr>>* keys = nullptr);
+  // Swaps in every tracked allocation, oldest swap-out first, appending (key, new pointer)
+  // pairs to `moved` as it goes (the key as swap_out returned it). Stops at the first error (rethrown); those swapped in before
   // stay swapping in, and `moved` says which (their new pointers). Returns how many.
   std::size_t swap_in_all(stream_t stream, std::vector<std::pair<device_ptr, device_ptr>>& moved);
-  // allocator()->allocate, except that an address naming a relocated allocation now on host
-  // is never returned (it would be ambiguous to state/swap_in): use it for new allocations
-  // while relocating allocations are swapped out.
+  // allocator()->allocate (kept for callers that allocate through the manager).
   device_ptr allocate(std::size_t nbytes, stream_t stream);
 
   SwapStats stats() const;
@@ -120,6 +124,8 @@ class SwapManager {
     event_t done = 0;          // completion event of the copy in flight, 0 if none
     stream_t stream = 0;       // the caller's stream of the last swap
     std::uint64_t seq = 0;     // swap-out order (oldest first for OOM waits)
+    device_ptr key = 0;        // its key in records_ (the pointer, or a host address)
+    device_ptr old_addr = 0;   // relocating: the device address it had, an alias_ entry
   };
   struct Zombie {  // a cancelled swap-out's host block, freed once its copy completes
     void* host;
@@ -146,13 +152,15 @@ class SwapManager {
   };
 
   // With mutex_ held.
+  // The record `ptr` names: its key, or the old device address of a relocating one while
+  // that memory is still held, or after while no live allocation has that address.
   Record* find(device_ptr ptr);
+  void erase_record(Record& r) noexcept;
   void check_not_busy(device_ptr ptr, const Record& r, const char* operation) const;
   [[noreturn]] void throw_state(device_ptr ptr, SwapState state, const char* operation,
                                 const char* why) const;
-  void swap_out_locked(device_ptr ptr, stream_t stream);
+  device_ptr swap_out_locked(device_ptr ptr, stream_t stream);
   device_ptr swap_in_locked(device_ptr ptr, stream_t stream, std::unique_lock<std::mutex>& lock);
-  device_ptr allocate_relocated(device_ptr old, std::size_t nbytes, stream_t stream);
   void release_out(device_ptr ptr, Record& r);
   void cancel_out(device_ptr ptr, Record& r, bool count_cancel);
   std::size_t poll_locked(bool rethrow);
@@ -169,6 +177,7 @@ class SwapManager {
   OwnedStream d2h_;
   OwnedStream h2d_;
   std::map<device_ptr, Record> records_;  // every allocation not resident
+  std::map<device_ptr, device_ptr> alias_;  // old device address -> key (relocating)
   std::vector<Zombie> zombies_;
   std::uint64_t seq_ = 0;
   SwapStats stats_;
