@@ -41,19 +41,20 @@ def main():
     small = va.allocate(1000)        # a small block shares an arena chunk: it relocates
     dev.write(small, b"tiny")
     print("a small block relocates:", swap.relocates(small))
-    swap.swap_out(small)
-    swap.wait(small)
-    small = swap.swap_in(small)
+    key = swap.swap_out(small)       # while out, a relocated allocation is known by a key
+    swap.wait(key)
+    small = swap.swap_in(key)
     swap.wait(small)
     print("small block data:", dev.read(small, 4))
 
     swap.deallocate(a)               # done with A: room for B again
-    print(f"sleep mode: {swap.swap_out_all()} more allocation(s) swapped out, "
+    keys = swap.swap_out_all()       # {pointer: key}
+    print(f"sleep mode: {len(keys)} more allocation(s) swapped out, "
           f"{swap.stats()['on_host'] + swap.stats()['swapping_out']} asleep")
-    moved = swap.swap_in_all()       # B (asleep since earlier) and the small block
+    moved = swap.swap_in_all()       # {key: new}: B (asleep since earlier) and the small block
     for new in moved.values():
         swap.wait(new)
-    small = moved[small]
+    small = moved[keys[small]]
     print("B data after waking up:", dev.read(b, 18))
 
     s = swap.stats()
