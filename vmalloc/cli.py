@@ -273,6 +273,13 @@ def main(argv=None):
         # at devnull so that the interpreter's final flush does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except MemoryError as error:
+        if isinstance(error, VmallocError):  # an allocator's OutOfMemoryError: the input's
+            message = str(error)
+        else:
+            message = "this machine ran out of memory (MemoryError); the input is too large"
+        print(f"vmalloc {command or ''}: error: {message}".replace("  ", " "), file=sys.stderr)
+        return EXIT_ERROR
     except _user_errors() as error:
         message = str(error) or type(error).__name__
         if isinstance(error, OSError) and error.filename and error.strerror:

@@ -50,8 +50,9 @@ def plot_results(results, path, title=None, dpi=110):
             if name not in colors:
                 colors[name] = _COLORS.get(name) or next(spare, "#7f7f7f")
             t = result.timeline
+            util = "-" if result.utilization is None else f"{result.utilization:.3f}"
             label = (f"reserved: {name} (peak {result.peak_reserved_bytes / GiB:.2f} GiB, "
-                     f"utilization {result.utilization:.3f})")
+                     f"utilization {util})")
             if result.min_capacity_bytes:
                 label += f", runs in {result.min_capacity_bytes / GiB:.2f} GiB"
             if result.out_of_memory_event is not None:
@@ -59,7 +60,7 @@ def plot_results(results, path, title=None, dpi=110):
                 ax.axvline(result.out_of_memory_event, color=colors[name], ls=":", lw=1)
             ax.step(t.events, t.reserved_bytes / GiB, where="post", color=colors[name], lw=1.6,
                     label=label)
-            parts.append(f"{name} {result.utilization:.3f}")
+            parts.append(f"{name} {util}")
             if result.capacity_bytes:
                 ax.axhline(result.capacity_bytes / GiB, color="gray", ls="--", lw=0.8)
         ax.set_title(f"{trace}\nutilization (peak requested / peak reserved): "

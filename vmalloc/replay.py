@@ -78,7 +78,7 @@ class ReplayResult:
     """What one allocator did with one trace.
 
     ``utilization`` is ``peak_requested_bytes / peak_reserved_bytes`` (1.0 is no waste at
-    all). ``out_of_memory_event`` is the index of the first allocation that ran out of memory
+    all; None when nothing was reserved, as in a run that stopped at its first event). ``out_of_memory_event`` is the index of the first allocation that ran out of memory
     under ``capacity_bytes``, where the run stopped (None when it completed).
     ``min_capacity_bytes`` is the smallest device capacity, in whole granules, under which the
     whole trace ran (None when not searched); ``min_capacity_exact`` tells whether one granule
@@ -101,7 +101,7 @@ class ReplayResult:
     peak_requested_bytes: int
     peak_reserved_bytes: int
     peak_allocated_bytes: int
-    utilization: float
+    utilization: Optional[float]
     peak_internal_fragmentation_bytes: int
     peak_live_allocations: int
     allocations: int
@@ -414,7 +414,8 @@ def _result(source, kind, engine, allocator, device, seconds, capacity, options)
         peak_requested_bytes=stats.peak_requested_bytes,
         peak_reserved_bytes=stats.peak_reserved_bytes,
         peak_allocated_bytes=stats.peak_allocated_bytes,
-        utilization=stats.utilization,
+        # Nothing reserved (a run that stopped at its first event): no ratio to report.
+        utilization=stats.utilization if stats.peak_reserved_bytes else None,
         peak_internal_fragmentation_bytes=stats.peak_internal_fragmentation_bytes,
         peak_live_allocations=stats.peak_live_allocations,
         allocations=counts["allocations"],
@@ -469,10 +470,16 @@ def _bisect(source, kind, granularity, options, max_probes, reference, progress=
     label = None
     if progress:
         label = f"{source.name}: {kind if isinstance(kind, str) else 'allocator'} min capacity"
+    if reference is not None and not reference.completed and reference.capacity_bytes is None:
+        return None, False, probes, reference.peak_requested_bytes
     if reference is None or not reference.completed or reference.capacity_bytes is not None:
         engine, alloc, dev, _ = _run(source, kind, None, granularity, options, 0,
                                      label and f"{label} unlimited run")
         probes += 1
+        if engine.stopped:
+            # Out of memory without any capacity: a request the allocator refuses whatever
+            # the device (larger than it keeps books for); no capacity runs the trace.
+            return None, False, probes, alloc.stats().peak_requested_bytes
         stats = alloc.stats()
         peak_requested, peak_reserved = stats.peak_requested_bytes, stats.peak_reserved_bytes
         g = dev.granularity
@@ -550,7 +557,7 @@ def format_table(results):
         ("events replayed", lambda r: f"{r.events:,}" + ("" if r.completed else " (stopped)")),
         ("peak requested", lambda r: format_size(r.peak_requested_bytes)),
         ("peak reserved", lambda r: format_size(r.peak_reserved_bytes)),
-        ("utilization", lambda r: f"{r.utilization:.3f}"),
+        ("utilization", lambda r: "-" if r.utilization is None else f"{r.utilization:.3f}"),
         ("peak internal fragmentation",
          lambda r: format_size(r.peak_internal_fragmentation_bytes)),
         ("peak live allocations", lambda r: f"{r.peak_live_allocations:,}"),
@@ -586,7 +593,11 @@ def format_table(results):
 
 def _format_min_capacity(r):
     if r.min_capacity_bytes is None:
-        return "none found" if r.min_capacity_probes else "-"
+        if r.min_capacity_exact is None:
+            return "-"  # not searched
+        if not r.completed and r.capacity_bytes is None:
+            return "none (refused even unlimited)"
+        return "none found"
     text = format_size(r.min_capacity_bytes)
     return text if r.min_capacity_exact else text + " (upper bound)"
 
