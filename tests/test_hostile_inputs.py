@@ -139,7 +139,7 @@ def test_snapshot_limit_is_enforced(tmp_path, monkeypatch):
 
     path = tmp_path / "s.pickle"
     path.write_bytes(pickle.dumps({"device_traces": [[{"action": "alloc", "addr": 16,
-                                                       "size": 8, "stream": 0}]] * 200},
+                                                       "size": 8, "stream": 0}] * 200]},
                                   protocol=4))
     open_trace(path).scan()
     monkeypatch.setattr(torch_snapshot, "MAX_SNAPSHOT_BYTES", 64)

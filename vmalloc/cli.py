@@ -104,11 +104,16 @@ def _parser():
                     "through the caching allocator and the virtual allocator (chunk and packed "
                     "placement) on an emulated device. "
                     "With no TRACE, the traces shipped with vmalloc.")
-    p.add_argument("traces", nargs="*", metavar="TRACE", help="trace files")
+    p.add_argument("traces", nargs="*", metavar="TRACE",
+                   help="trace files, or directories of them (the ranks of one job: replayed "
+                        "side by side)")
     p.add_argument("--format", help="trace format (default: detected from the file)")
-    p.add_argument("--device", default="0",
-                   help="the device whose events to replay, for traces of several: a CUDA "
-                        "ordinal, cuda:N or cpu (default 0)")
+    p.add_argument("--device", action="append", metavar="[TRACE=]DEVICE",
+                   help="the device whose events to replay, for traces of several: auto (the "
+                        "default: the trace's only GPU device, or each of its GPU devices), "
+                        "all (every device, cpu included), a CUDA ordinal, cuda:N or cpu. "
+                        "TRACE=DEVICE applies to the trace files named TRACE (as given, or "
+                        "their file name) only; repeat for several")
     p.add_argument("--before-window", choices=("drop", "live"), default="drop",
                    help="memory a snapshot shows live before its window: drop its frees "
                         "(default) or allocate it at the start")
@@ -137,9 +142,9 @@ def _parser():
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
     p.add_argument("--format", help="format of SRC (default: detected)")
-    p.add_argument("--device", default="0",
-                   help="the device whose events to keep: a CUDA ordinal, cuda:N or cpu "
-                        "(default 0)")
+    p.add_argument("--device", default="auto",
+                   help="the device whose events to keep: auto (the default: the trace's only "
+                        "GPU device), a CUDA ordinal, cuda:N or cpu")
     return parser
 
 
@@ -185,18 +190,118 @@ def _run(sources, args):
     return results
 
 
+_TRACE_SUFFIXES = (".vmtrace", ".pickle", ".pkl", ".json", ".json.gz", ".csv", ".pickle.gz",
+                   ".csv.gz")
+
+
+def _natural(name):
+    """Sort key: rank2 before rank10."""
+    import re
+
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _expand(traces):
+    """TRACE arguments -> trace files: a directory stands for its trace files (by suffix), in
+    natural order (rank2 before rank10)."""
+    files = []
+    for t in traces:
+        if os.path.isdir(t):
+            found = sorted((f for f in os.listdir(t) if f.lower().endswith(_TRACE_SUFFIXES)
+                            and os.path.isfile(os.path.join(t, f))), key=_natural)
+            if not found:
+                raise _CliError(f"the directory {t} holds no trace file (*"
+                                + ", *".join(_TRACE_SUFFIXES) + ")")
+            files += [os.path.join(t, f) for f in found]
+        else:
+            files.append(t)
+    return files
+
+
+def _device_choices(values, files):
+    """--device values -> {file: device choice}: TRACE=DEVICE for the files named TRACE (as
+    given or by file name), a bare DEVICE for the others (default auto)."""
+    from vmalloc.traces._fields import parse_device
+
+    default, per = "auto", {}
+    for value in values or []:
+        target, sep, spec = value.rpartition("=")
+        spec = spec.strip()
+        if spec.lower() != "all":
+            try:
+                parse_device(spec)
+            except VmallocError:
+                raise _CliError(f"--device {value}: expected auto, all, a CUDA ordinal (0), "
+                                "cuda:N or cpu, optionally after TRACE=") from None
+        if not sep:
+            default = spec
+            continue
+        matched = [f for f in files if f == target or os.path.basename(f) == target
+                   or os.path.normpath(f) == os.path.normpath(target)]
+        if not matched:
+            raise _CliError(f"--device {value}: no TRACE named {target} on the command line")
+        for f in matched:
+            per[f] = spec
+    return {f: per.get(f, default) for f in files}
+
+
+def _flag_for(path, device):
+    ordinal = device.split(":")[1] if device.startswith("cuda:") else device
+    return f"--device {os.path.basename(path)}={ordinal}"
+
+
+def _plan(path, choice, args, quiet):
+    """The (path, name, device) replays of one trace file for a --device choice."""
+    from vmalloc.replay import _trace_name
+    from vmalloc.traces import trace_devices
+    from pathlib import Path
+
+    name = _trace_name(Path(path))
+    choice = choice.lower()
+    if choice not in ("auto", "all"):
+        return [(path, name, choice)]
+    devices = trace_devices(path, format=args.format)
+    if devices is None:  # a format of one device
+        return [(path, name, "auto")]
+    chosen = list(devices) if choice == "all" else [d for d in devices if d.startswith("cuda")]
+    if not chosen:
+        found = ", ".join(devices) or "no device"
+        raise _CliError(f"{path}: no GPU memory events, only events for {found} (replay "
+                        f"those with {_flag_for(path, next(iter(devices), 'cpu'))} or "
+                        "--device all)")
+    if len(chosen) == 1:
+        if not quiet and choice == "auto":
+            others = [d for d in devices if d not in chosen]
+            print(f"{path}: replaying {chosen[0]}, its only GPU device"
+                  + (f" (it also has {', '.join(others)}: see --device)" if others else ""),
+                  file=sys.stderr)
+        return [(path, name, chosen[0])]
+    if not quiet:
+        print(f"{path}: replaying each of its devices {', '.join(chosen)} (choose one with "
+              f"{_flag_for(path, chosen[0])})", file=sys.stderr)
+    return [(path, f"{name} [{d}]", d) for d in chosen]
+
+
 def _replay_command(args):
     from vmalloc.replay import TraceSource
     from vmalloc.traces import builtin_traces
 
+    quiet = args.json
     if args.traces:
-        named = [(t, None) for t in args.traces]
+        files = _expand(args.traces)
+        choices = _device_choices(args.device, files)
+        named = [plan for f in files for plan in _plan(f, choices[f], args, quiet)]
     else:
-        named = [(path, name) for name, path in sorted(builtin_traces().items())]
+        if args.device:
+            _device_choices(args.device, [])  # validate: a TRACE= names no file here
+        named = [(path, name, "auto") for name, path in sorted(builtin_traces().items())]
         if not named:
             raise _CliError("no TRACE given and no built-in trace is installed")
-    sources = [TraceSource(t, name=name, format=args.format, device=args.device,
-                           before_window=args.before_window) for t, name in named]
+    names = [n for _, n, _ in named]
+    if len(set(names)) < len(names):  # the same name in two directories: use the paths
+        named = [(p, p if names.count(n) > 1 else n, d) for p, n, d in named]
+    sources = [TraceSource(t, name=name, format=args.format, device=device,
+                           before_window=args.before_window) for t, name, device in named]
     _report(_run(sources, args), args)
     return 0
 
@@ -248,6 +353,20 @@ def _user_errors():
     return tuple(errors)
 
 
+def _in_cli_terms(error, message):
+    """A library error about a device choice, rephrased with the command line's flags."""
+    from vmalloc.traces._fields import NoDeviceEventsError
+
+    if not isinstance(error, NoDeviceEventsError) or not error.path:
+        return message
+    gpus = [d for d in error.found if d.startswith("cuda")]
+    hint = _flag_for(error.path, (gpus or error.found or ["0"])[0])
+    if error.wanted == "auto" and len(gpus) > 1:
+        return (f"{error.path}: memory events for several GPU devices ({', '.join(gpus)}): "
+                f"choose one with {hint}, or --device all")
+    return f"{message} (choose with {hint})"
+
+
 def main(argv=None):
     """Runs the command line with ``argv`` (default ``sys.argv[1:]``); returns the exit
     status: 0 on success, 2 on a usage or input error (one line on stderr)."""
@@ -282,6 +401,7 @@ def main(argv=None):
         return EXIT_ERROR
     except _user_errors() as error:
         message = str(error) or type(error).__name__
+        message = _in_cli_terms(error, message)
         if isinstance(error, OSError) and error.filename and error.strerror:
             message = f"{error.strerror}: {error.filename}"
         print(f"vmalloc {command or ''}: error: {message}".replace("  ", " "), file=sys.stderr)

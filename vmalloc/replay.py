@@ -34,6 +34,7 @@ __all__ = [
     "ReplayResult",
     "Timeline",
     "TraceSource",
+    "format_summary",
     "format_table",
     "make_allocator",
     "min_capacity",
@@ -119,6 +120,7 @@ class ReplayResult:
     engine_seconds: float
     events_per_second: float
     options: dict = field(default_factory=dict)
+    device: Optional[str] = None
     min_capacity_bytes: Optional[int] = None
     min_capacity_utilization: Optional[float] = None
     min_capacity_exact: Optional[bool] = None
@@ -137,6 +139,10 @@ class ReplayResult:
         return out
 
 
+#: Trace formats that record several devices, and so say which one was replayed.
+_MULTI_DEVICE_FORMATS = ("kineto", "torch_snapshot")
+
+
 class TraceSource:
     """Events to replay, readable as many times as the bisection needs.
 
@@ -147,10 +153,12 @@ class TraceSource:
     :data:`CACHE_EVENTS` events are kept in memory after their first read.
     """
 
-    def __init__(self, source, name=None, format=None, device=0, before_window="drop"):
+    def __init__(self, source, name=None, format=None, device="auto", before_window="drop"):
         self._trace = None
         self._cached = None
         self.total_events = None
+        #: The device whose events are replayed (``"cuda:1"``), None when not a trace file.
+        self.device = None
         if isinstance(source, (str, os.PathLike)):
             from vmalloc.traces import open_trace
 
@@ -158,6 +166,8 @@ class TraceSource:
             self._trace = open_trace(path, format=format, device=device,
                                      before_window=before_window)
             self.name = name or _trace_name(path)
+            if self._trace.format in _MULTI_DEVICE_FORMATS:  # the others do not say
+                self.device = self._trace.device
         elif isinstance(source, np.ndarray):
             batch = _as_events(source)
             self._cached = [batch[i:i + BATCH_EVENTS] for i in range(0, len(batch), BATCH_EVENTS)]
@@ -165,6 +175,8 @@ class TraceSource:
             self.name = name or "events"
         elif hasattr(source, "batches"):
             self._trace = source
+            if getattr(source, "format", None) in _MULTI_DEVICE_FORMATS:
+                self.device = getattr(source, "device", None)
             path = getattr(source, "path", None)
             self.name = name or getattr(source, "name", None) or (
                 _trace_name(Path(path)) if path else "trace")
@@ -221,7 +233,7 @@ def _as_events(batch):
     return np.ascontiguousarray(arr.reshape(-1))
 
 
-def _source(trace, format=None, device=0, before_window="drop", name=None):
+def _source(trace, format=None, device="auto", before_window="drop", name=None):
     if isinstance(trace, TraceSource):
         return trace
     if trace is None:
@@ -355,7 +367,7 @@ def _passes(source, kind, capacity, granularity, options, label=None):
 
 def replay_once(trace, allocator="virtual", *, capacity=None, granularity=None, chunk_size=None,
                 max_split_size=None, policy=None, steal_before_create=None,
-                remap_slack=None, timeline_points=2048, progress=False, format=None, device=0,
+                remap_slack=None, timeline_points=2048, progress=False, format=None, device="auto",
                 before_window="drop", name=None):
     """Replays ``trace`` through one allocator on a fresh unbacked HostDevice.
 
@@ -433,6 +445,7 @@ def _result(source, kind, engine, allocator, device, seconds, capacity, options)
         engine_seconds=seconds[1],
         events_per_second=events / seconds[1] if seconds[1] > 0 else 0.0,
         options=dict(options),
+        device=source.device,
         stats=stats,
         timeline=Timeline(first, requested, reserved),
     )
@@ -440,7 +453,7 @@ def _result(source, kind, engine, allocator, device, seconds, capacity, options)
 
 def min_capacity(trace, allocator="virtual", *, granularity=None, chunk_size=None,
                  max_split_size=None, policy=None, steal_before_create=None,
-                 remap_slack=None, max_probes=MAX_PROBES, reference=None, format=None, device=0,
+                 remap_slack=None, max_probes=MAX_PROBES, reference=None, format=None, device="auto",
                  before_window="drop"):
     """The smallest device capacity, in whole granules, under which ``trace`` runs to the end.
 
@@ -514,7 +527,7 @@ def _bisect(source, kind, granularity, options, max_probes, reference, progress=
 def replay(trace=None, allocators=ALLOCATOR_KINDS, *, capacity=None, granularity=None,
            chunk_size=None, max_split_size=None, policy=None, steal_before_create=None,
            remap_slack=None, min_capacity=True, max_probes=MAX_PROBES, timeline_points=2048, progress=False, format=None,
-           device=0, before_window="drop", name=None):
+           device="auto", before_window="drop", name=None):
     """Replays one trace through each allocator; returns a list of :class:`ReplayResult`.
 
     ``trace`` is a path, a trace object, an array of events, a :class:`TraceSource`, or None
@@ -577,8 +590,13 @@ def format_table(results):
     for trace in traces:
         group = [r for r in results if r.trace == trace]
         header = trace
+        notes = []
+        if group[0].device is not None:
+            notes.append(group[0].device)
         if group[0].capacity_bytes is not None:
-            header += f" (capacity {format_size(group[0].capacity_bytes)})"
+            notes.append(f"capacity {format_size(group[0].capacity_bytes)}")
+        if notes:
+            header += f" ({', '.join(notes)})"
         table = [[""] + [r.allocator for r in group]]
         table += [[label] + [fmt(r) for r in group] for label, fmt in rows]
         widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
@@ -588,7 +606,39 @@ def format_table(results):
                 cell.ljust(widths[0]) if i == 0 else cell.rjust(widths[i])
                 for i, cell in enumerate(row)).rstrip())
         blocks.append("\n".join(lines))
+    if len(traces) > 1:
+        blocks.append(format_summary(results))
     return "\n\n".join(blocks)
+
+
+def format_summary(results):
+    """The traces side by side (the ranks of one job, say): one row per trace, its peak
+    requested bytes, then each allocator's peak reserved bytes and utilization."""
+    traces = list(dict.fromkeys(r.trace for r in results))
+    kinds = list(dict.fromkeys(r.allocator for r in results))
+    by = {(r.trace, r.allocator): r for r in results}
+    header = ["trace", "device", "peak requested"] + [f"{k} reserved (util.)" for k in kinds]
+    table = [header]
+    for trace in traces:
+        group = [r for r in results if r.trace == trace]
+        row = [trace, group[0].device or "-",
+               format_size(max(r.peak_requested_bytes for r in group))]
+        for k in kinds:
+            r = by.get((trace, k))
+            if r is None:
+                row.append("-")
+                continue
+            util = "-" if r.utilization is None else f"{r.utilization:.3f}"
+            stopped = "" if r.completed else ", stopped"
+            row.append(f"{format_size(r.peak_reserved_bytes)} ({util}{stopped})")
+        table.append(row)
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = ["side by side"]
+    for row in table:
+        lines.append("  " + "  ".join(
+            cell.ljust(widths[i]) if i < 2 else cell.rjust(widths[i])
+            for i, cell in enumerate(row)).rstrip())
+    return "\n".join(lines)
 
 
 def _format_min_capacity(r):

@@ -9,7 +9,7 @@ Memory events carry no stream: every event is on stream 0.
 """
 
 from vmalloc.errors import TraceFormatError
-from vmalloc.traces._fields import device_name, u64
+from vmalloc.traces._fields import AUTO, NoDeviceEventsError, device_name, only_gpu_device, u64
 from vmalloc.traces._files import open_text
 from vmalloc.traces._json_stream import JsonEventScanner
 from vmalloc.traces._record_reader import RecordReaderPass
@@ -33,11 +33,47 @@ class KinetoReader(RecordReaderPass):
 
     def __init__(self, path, kind, index):
         self.path = path
+        self.metadata = {}
+        self.skipped = {}
+        if kind == AUTO:
+            # The trace's only GPU device (a rank of a multi-GPU job records its own): one
+            # pass over the file to find it.
+            name = only_gpu_device(self.devices(), path)
+            kind, index = "cuda", int(name.split(":")[1])
         self.kind = kind
         self.index = index
         self.device_type = DEVICE_TYPES[kind]
-        self.metadata = {}
-        self.skipped = {}
+        #: The device whose events are read, as ``"cuda:N"`` or ``"cpu"``.
+        self.device = device_name(kind, index)
+
+    def devices(self):
+        """``{device: memory events}`` of the whole trace (``"cuda:1"``, ``"cpu"``, ...), in
+        device order: one pass over the file."""
+        counts = {}
+        with open_text(self.path) as text:
+            for line, event in JsonEventScanner(text, self.path).events():
+                if not isinstance(event, dict):
+                    raise TraceFormatError("a trace event is not a JSON object", self.path, line)
+                if event.get("name") != "[memory]":
+                    continue
+                args = event.get("args")
+                if not isinstance(args, dict):
+                    raise TraceFormatError("[memory] event without an 'args' object", self.path, line)
+                device_type = args.get("Device Type")
+                device_id = args.get("Device Id", 0)
+                if type(device_type) is not int or type(device_id) is not int:
+                    raise TraceFormatError(
+                        "[memory] event without integer 'Device Type' and 'Device Id'",
+                        self.path, line)
+                key = (device_type, device_id)
+                counts[key] = counts.get(key, 0) + 1
+        if not counts:
+            raise TraceFormatError(
+                "the trace has no '[memory]' events: profile with "
+                "torch.profiler.profile(profile_memory=True)",
+                self.path,
+            )
+        return {_device_label(t, i): n for (t, i), n in sorted(counts.items())}
 
     def records(self):
         """``(op, stream, addr, size)`` for each memory event of the device, in file order."""
@@ -107,10 +143,4 @@ class KinetoReader(RecordReaderPass):
                 path,
             )
         if not matched:
-            wanted = device_name(self.kind, self.index)
-            found = ", ".join(self.metadata["memory_events_by_device"])
-            raise TraceFormatError(
-                f"no memory events for device {wanted}; the trace has events for {found}"
-                + (" (pass device='cpu')" if any(t == 0 for t, _ in devices) else ""),
-                path,
-            )
+            raise NoDeviceEventsError(self.device, self.metadata["memory_events_by_device"], path)

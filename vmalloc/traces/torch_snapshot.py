@@ -23,7 +23,7 @@ import pickle
 import zlib
 
 from vmalloc.errors import InvalidArgumentError, TraceFormatError
-from vmalloc.traces._fields import u64
+from vmalloc.traces._fields import AUTO, only_gpu_device, u64
 from vmalloc.traces._files import CappedReader, open_binary
 from vmalloc.traces._normalize import scan_before_window
 from vmalloc.traces.events import ALLOC, FREE
@@ -108,13 +108,18 @@ class TorchSnapshotReader:
     direct = False  # events go through the normalizer
 
     def __init__(self, path, kind, index):
-        if kind != "cuda":
+        if kind not in ("cuda", AUTO):
             raise InvalidArgumentError(
                 f"a PyTorch memory snapshot holds CUDA devices only, not {kind!r}"
             )
         self.path = path
         snapshot = load_snapshot(path)
         traces = snapshot["device_traces"]
+        if kind == AUTO:
+            # The only device with a history (a rank's snapshot lists the others empty).
+            index = int(only_gpu_device(self._devices(traces), path).split(":")[1])
+        #: The device whose events are read, ``"cuda:N"``.
+        self.device = f"cuda:{index}"
         if index >= len(traces):
             raise TraceFormatError(
                 f"the snapshot has no device {index}: it records "
@@ -126,11 +131,21 @@ class TorchSnapshotReader:
             raise TraceFormatError(f"device_traces[{index}] is not a list", path)
         self.index = index
         self.entries = entries
+        self._all_traces = traces
         self.segments = snapshot.get("segments") or []
         if not isinstance(self.segments, list):
             raise TraceFormatError("'segments' is not a list", path)
         self._effective_requests = self._free_requests_without_completion()
         self.metadata = self._metadata(snapshot)
+
+    @staticmethod
+    def _devices(traces):
+        counts = {f"cuda:{i}": len(t) for i, t in enumerate(traces) if isinstance(t, list) and t}
+        return counts or ({"cuda:0": 0} if traces else {})
+
+    def devices(self):
+        """``{device: history entries}`` of the devices with a history."""
+        return self._devices(self._all_traces)
 
     def _entry(self, i):
         entry = self.entries[i]
