@@ -102,7 +102,7 @@ def test_profiler_trace_made_now_with_torch(tmp_path):
     assert expected, "torch recorded no [memory] events"
     # 400 kB of ones: the largest request (sizes of the others depend on torch's kernels).
     assert max(size for op, _, _, size in expected if op == ALLOC) >= 400000
-    trace = open_trace(path, device="cpu")
+    trace = open_trace(path, device="cpu", before_window="drop")
     # Frees of memory allocated before profiling began are dropped; nothing else changes.
     assert as_tuples(trace.events()) == _without_unmatched_frees(expected)
 

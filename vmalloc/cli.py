@@ -114,9 +114,11 @@ def _parser():
                         "all (every device, cpu included), a CUDA ordinal, cuda:N or cpu. "
                         "TRACE=DEVICE applies to the trace files named TRACE (as given, or "
                         "their file name) only; repeat for several")
-    p.add_argument("--before-window", choices=("drop", "live"), default="drop",
-                   help="memory a snapshot shows live before its window: drop its frees "
-                        "(default) or allocate it at the start")
+    p.add_argument("--before-window", choices=("auto", "drop", "live"), default="auto",
+                   help="memory allocated before the trace began (its frees name addresses "
+                        "the trace never allocated): allocate it at the start (live), or "
+                        "drop those frees (drop); auto (default): live for profiler traces, "
+                        "whose counters tell what was allocated, drop for the others")
     _add_run_options(p)
 
     from vmalloc.stress import PATTERNS
@@ -155,7 +157,13 @@ def _flatten(lists):
 
 
 def _report(results, args):
-    from vmalloc.replay import format_table
+    from vmalloc.replay import before_window_note, format_table
+
+    warned = set()
+    for r in results:
+        if r.trace not in warned and r.unmatched_frees:
+            warned.add(r.trace)
+            print(f"vmalloc: warning: {r.trace}: {before_window_note(r)}", file=sys.stderr)
 
     if args.json:
         json.dump([r.to_dict() for r in results], sys.stdout, indent=2)

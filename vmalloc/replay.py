@@ -88,6 +88,15 @@ class ReplayResult:
     ``min_capacity_bytes``: how much of the smallest device that works the trace really uses. Without a capacity an allocator
     may keep cached memory it would give up under pressure (the virtual allocator creates
     chunks before it remaps cached ones), so this is the fairer figure of merit.
+    What the trace itself says (None when unknown, or when no pass over the whole trace
+    finished): ``unmatched_frees`` and ``unmatched_free_bytes`` count the trace's frees of
+    memory it never allocated (allocated before it began, or lost by the log), whatever
+    ``before_window`` (``"drop"`` or ``"live"``) did with them; ``live_before_window_bytes``
+    is what was replayed as live from the start (``"live"``: those frees' memory and, for
+    profiler traces, the rest of PyTorch's ``Total Allocated`` at the first event);
+    ``recorded_peak_allocated_bytes`` and ``recorded_peak_reserved_bytes`` are PyTorch's own
+    counters at their peaks (profiler traces): what PyTorch actually reserved, to compare with
+    each allocator's ``peak_reserved_bytes``.
     ``replay_seconds`` is the run's wall time, trace reading included; ``engine_seconds`` the
     part spent replaying, which ``events_per_second`` is computed from.
     """
@@ -121,6 +130,12 @@ class ReplayResult:
     events_per_second: float
     options: dict = field(default_factory=dict)
     device: Optional[str] = None
+    before_window: Optional[str] = None
+    unmatched_frees: Optional[int] = None
+    unmatched_free_bytes: Optional[int] = None
+    live_before_window_bytes: Optional[int] = None
+    recorded_peak_allocated_bytes: Optional[int] = None
+    recorded_peak_reserved_bytes: Optional[int] = None
     min_capacity_bytes: Optional[int] = None
     min_capacity_utilization: Optional[float] = None
     min_capacity_exact: Optional[bool] = None
@@ -153,7 +168,7 @@ class TraceSource:
     :data:`CACHE_EVENTS` events are kept in memory after their first read.
     """
 
-    def __init__(self, source, name=None, format=None, device="auto", before_window="drop"):
+    def __init__(self, source, name=None, format=None, device="auto", before_window="auto"):
         self._trace = None
         self._cached = None
         self.total_events = None
@@ -194,6 +209,11 @@ class TraceSource:
             if isinstance(value, int) and not isinstance(value, bool):
                 self.total_events = value
 
+    @property
+    def info(self):
+        """The trace's :class:`~vmalloc.traces.TraceInfo` (None for arrays of events)."""
+        return getattr(self._trace, "info", None)
+
     def batches(self):
         """Yields the event batches, from the memory cache when there is one."""
         if self._cached is not None:
@@ -233,7 +253,7 @@ def _as_events(batch):
     return np.ascontiguousarray(arr.reshape(-1))
 
 
-def _source(trace, format=None, device="auto", before_window="drop", name=None):
+def _source(trace, format=None, device="auto", before_window="auto", name=None):
     if isinstance(trace, TraceSource):
         return trace
     if trace is None:
@@ -368,7 +388,7 @@ def _passes(source, kind, capacity, granularity, options, label=None):
 def replay_once(trace, allocator="virtual", *, capacity=None, granularity=None, chunk_size=None,
                 max_split_size=None, policy=None, steal_before_create=None,
                 remap_slack=None, timeline_points=2048, progress=False, format=None, device="auto",
-                before_window="drop", name=None):
+                before_window="auto", name=None):
     """Replays ``trace`` through one allocator on a fresh unbacked HostDevice.
 
     Args:
@@ -402,8 +422,33 @@ def replay_once(trace, allocator="virtual", *, capacity=None, granularity=None, 
     label = f"{source.name}: {kind_name or 'allocator'}" if progress else None
     engine, alloc, dev, seconds = _run(source, allocator, capacity, granularity, options,
                                        timeline_points, label)
-    return _result(source, kind_name or alloc.name, engine, alloc, dev, seconds, capacity,
-                   options)
+    result = _result(source, kind_name or alloc.name, engine, alloc, dev, seconds, capacity,
+                     options)
+    return _add_trace_facts(source, [result])[0]
+
+
+def _trace_facts(source):
+    """The ReplayResult fields that come from the trace's info (a completed pass)."""
+    info = source.info
+    if info is None or not getattr(info, "complete", False):
+        return {}
+    meta = info.metadata or {}
+    live = info.before_window == "live"
+    return {
+        "before_window": info.before_window,
+        "unmatched_frees": info.frees_before_window + info.unmatched_frees,
+        "unmatched_free_bytes": info.free_before_window_bytes + info.unmatched_free_bytes,
+        "live_before_window_bytes": info.synthetic_alloc_bytes if live else 0,
+        "recorded_peak_allocated_bytes": meta.get("recorded_peak_allocated_bytes"),
+        "recorded_peak_reserved_bytes": meta.get("recorded_peak_reserved_bytes"),
+    }
+
+
+def _add_trace_facts(source, results):
+    for name, value in _trace_facts(source).items():
+        for result in results:
+            setattr(result, name, value)
+    return results
 
 
 def _result(source, kind, engine, allocator, device, seconds, capacity, options):
@@ -454,7 +499,7 @@ def _result(source, kind, engine, allocator, device, seconds, capacity, options)
 def min_capacity(trace, allocator="virtual", *, granularity=None, chunk_size=None,
                  max_split_size=None, policy=None, steal_before_create=None,
                  remap_slack=None, max_probes=MAX_PROBES, reference=None, format=None, device="auto",
-                 before_window="drop"):
+                 before_window="auto"):
     """The smallest device capacity, in whole granules, under which ``trace`` runs to the end.
 
     Bisection between the trace's peak requested bytes (no allocator can do with less) and
@@ -527,7 +572,7 @@ def _bisect(source, kind, granularity, options, max_probes, reference, progress=
 def replay(trace=None, allocators=ALLOCATOR_KINDS, *, capacity=None, granularity=None,
            chunk_size=None, max_split_size=None, policy=None, steal_before_create=None,
            remap_slack=None, min_capacity=True, max_probes=MAX_PROBES, timeline_points=2048, progress=False, format=None,
-           device="auto", before_window="drop", name=None):
+           device="auto", before_window="auto", name=None):
     """Replays one trace through each allocator; returns a list of :class:`ReplayResult`.
 
     ``trace`` is a path, a trace object, an array of events, a :class:`TraceSource`, or None
@@ -561,7 +606,7 @@ def replay(trace=None, allocators=ALLOCATOR_KINDS, *, capacity=None, granularity
             result.min_capacity_exact = exact
             result.min_capacity_probes = probes
         results.append(result)
-    return results
+    return _add_trace_facts(source, results)
 
 
 def format_table(results):
@@ -599,12 +644,23 @@ def format_table(results):
             header += f" ({', '.join(notes)})"
         table = [[""] + [r.allocator for r in group]]
         table += [[label] + [fmt(r) for r in group] for label, fmt in rows]
+        recorded = _recorded_column(group[0], [label for label, _ in rows])
+        if recorded:
+            # What PyTorch itself reserved, as its profiler recorded: the allocator the trace
+            # ran under, next to what each replayed allocator would reserve.
+            table[0].append("pytorch (recorded)")
+            for row, cell in zip(table[1:], recorded):
+                row.append(cell)
+
         widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
         lines = [header]
         for row in table:
             lines.append("  " + "  ".join(
                 cell.ljust(widths[0]) if i == 0 else cell.rjust(widths[i])
                 for i, cell in enumerate(row)).rstrip())
+        note = before_window_note(group[0])
+        if note:
+            lines.append("  " + note)
         blocks.append("\n".join(lines))
     if len(traces) > 1:
         blocks.append(format_summary(results))
@@ -639,6 +695,37 @@ def format_summary(results):
             cell.ljust(widths[i]) if i < 2 else cell.rjust(widths[i])
             for i, cell in enumerate(row)).rstrip())
     return "\n".join(lines)
+
+
+def before_window_note(r):
+    """One line on the memory a trace frees without allocating it (None when it frees none
+    or it is unknown)."""
+    if r.unmatched_frees is None:
+        return None
+    text = (f"frees of memory the trace never allocated: {r.unmatched_frees:,} "
+            f"({format_size(r.unmatched_free_bytes)})")
+    if r.before_window == "live":
+        if not r.live_before_window_bytes:
+            return text if r.unmatched_frees else None
+        return (text + f"; {format_size(r.live_before_window_bytes)} live before the trace "
+                "began, replayed as allocated from the start")
+    if not r.unmatched_frees:
+        return None
+    return text + "; dropped (--before-window live replays that memory from the start)"
+
+
+def _recorded_column(r, labels):
+    """The cells of the "pytorch (recorded)" column for rows ``labels``, or None when the
+    trace recorded no counters."""
+    if r.recorded_peak_reserved_bytes is None:
+        return None
+    cells = {"peak reserved": format_size(r.recorded_peak_reserved_bytes)}
+    if r.recorded_peak_allocated_bytes is not None:
+        cells["peak requested"] = format_size(r.recorded_peak_allocated_bytes)
+        if r.recorded_peak_reserved_bytes:
+            cells["utilization"] = (
+                f"{r.recorded_peak_allocated_bytes / r.recorded_peak_reserved_bytes:.3f}")
+    return [cells.get(label, "") for label in labels]
 
 
 def _format_min_capacity(r):

@@ -7,7 +7,7 @@ from vmalloc.traces.reader import open_trace
 from vmalloc.traces.vmtrace import VmtraceWriter
 
 
-def convert(src, dst, format=None, device="auto", before_window="drop", encoding="zlib"):
+def convert(src, dst, format=None, device="auto", before_window="auto", encoding="zlib"):
     """Converts the trace ``src`` to the ``.vmtrace`` file ``dst``; returns the source's
     completed :class:`~vmalloc.traces.TraceInfo`.
 

@@ -7,7 +7,7 @@ import numpy as np
 from vmalloc.errors import InvalidArgumentError, TraceFormatError
 from vmalloc.traces._fields import AUTO, device_name, parse_device
 from vmalloc.traces._files import head
-from vmalloc.traces._normalize import BEFORE_WINDOW_CHOICES, normalized_batches
+from vmalloc.traces._normalize import BEFORE_WINDOW_CHOICES, LIVE_BY_DEFAULT, normalized_batches
 from vmalloc.traces.events import EVENT_DTYPE
 from vmalloc.traces.info import TraceInfo
 from vmalloc.traces.kineto import KinetoReader
@@ -92,7 +92,7 @@ class Trace:
     held whole).
     """
 
-    def __init__(self, path, format=None, device=AUTO, before_window="drop"):
+    def __init__(self, path, format=None, device=AUTO, before_window="auto"):
         self.path = os.fspath(path)
         if before_window not in BEFORE_WINDOW_CHOICES:
             raise InvalidArgumentError(
@@ -102,6 +102,8 @@ class Trace:
         kind, index = parse_device(device)
         #: The format name (``"torch_snapshot"``, ``"kineto"``, ``"rmm_csv"``, ``"vmtrace"``).
         self.format = detect_format(self.path) if format is None else _format_name(format)
+        if before_window == "auto":
+            before_window = "live" if self.format in LIVE_BY_DEFAULT else "drop"
         #: ``"drop"`` or ``"live"``: see :func:`open_trace`.
         self.before_window = before_window
         self._reader = _READERS[self.format](self.path, kind, index)
@@ -178,7 +180,7 @@ def trace_devices(path, format=None):
     return None
 
 
-def open_trace(path, format=None, device=AUTO, before_window="drop"):
+def open_trace(path, format=None, device=AUTO, before_window="auto"):
     """Opens an allocation trace for replay.
 
     Args:
