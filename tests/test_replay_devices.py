@@ -152,3 +152,45 @@ def test_a_directory_of_ranks_is_one_table_and_one_plot(capsys, tmp_path):
 def test_an_empty_directory_is_an_error(capsys, tmp_path):
     code, _, err = run(capsys, "replay", tmp_path)
     assert code == 2 and "holds no trace file" in err
+
+
+class _Terminal:
+    """A stand-in for stderr on a terminal."""
+
+    def __init__(self):
+        self.parts = []
+
+    def isatty(self):
+        return True
+
+    def write(self, text):
+        self.parts.append(text)
+
+    def flush(self):
+        pass
+
+    def text(self):
+        return "".join(self.parts)
+
+
+def test_progress_on_a_terminal_only(capsys, tmp_path, monkeypatch):
+    from vmalloc.traces import _files
+
+    path = rank_trace(tmp_path / "rank1.json", [1])
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    assert main(["replay", str(path), "-a", "virtual"]) == 0
+    drawn = terminal.text()
+    assert "\rreading rank1.json [" in drawn          # finding its devices, reading it
+    assert "rank1: virtual min capacity" in drawn      # the minimum-capacity search
+    assert drawn.count("\r") >= 4
+    assert "replaying cuda:1" in drawn
+    assert _files.progress_hook is None                # restored
+    # --json: no bar, even on a terminal.
+    terminal.parts.clear()
+    assert main(["replay", str(path), "-a", "virtual", "--json"]) == 0
+    assert "\r" not in terminal.text()
+    # Not a terminal: nothing (capsys's stderr).
+    monkeypatch.undo()
+    assert main(["replay", str(path), "-a", "virtual"]) == 0
+    assert capsys.readouterr().err.count("\r") == 0

@@ -177,6 +177,19 @@ def _report(results, args):
         print(f"plot written to {args.plot}", file=sys.stderr)
 
 
+def _progress(args):
+    """Progress bars on stderr: only on a terminal, and never with --json."""
+    return sys.stderr.isatty() and not args.json
+
+
+def _reading_bar(args):
+    import contextlib
+
+    from vmalloc.replay import reading_progress
+
+    return reading_progress() if _progress(args) else contextlib.nullcontext()
+
+
 def _run(sources, args):
     """Replays each (source, name) through the chosen allocators; returns the results."""
     from vmalloc.replay import ALLOCATOR_KINDS, MAX_PROBES, replay
@@ -185,7 +198,7 @@ def _run(sources, args):
     max_probes = MAX_PROBES if args.max_probes is None else args.max_probes
     if max_probes < 1:
         raise _CliError(f"--max-probes must be at least 1, got {max_probes}")
-    progress = sys.stderr.isatty() and not args.json
+    progress = _progress(args)
     results = []
     for source in sources:
         results += replay(source, allocators, capacity=args.capacity,
@@ -298,7 +311,8 @@ def _replay_command(args):
     if args.traces:
         files = _expand(args.traces)
         choices = _device_choices(args.device, files)
-        named = [plan for f in files for plan in _plan(f, choices[f], args, quiet)]
+        with _reading_bar(args):  # finding a profiler trace's devices reads it once
+            named = [plan for f in files for plan in _plan(f, choices[f], args, quiet)]
     else:
         if args.device:
             _device_choices(args.device, [])  # validate: a TRACE= names no file here
@@ -308,8 +322,9 @@ def _replay_command(args):
     names = [n for _, n, _ in named]
     if len(set(names)) < len(names):  # the same name in two directories: use the paths
         named = [(p, p if names.count(n) > 1 else n, d) for p, n, d in named]
-    sources = [TraceSource(t, name=name, format=args.format, device=device,
-                           before_window=args.before_window) for t, name, device in named]
+    with _reading_bar(args):  # opening a snapshot reads it whole
+        sources = [TraceSource(t, name=name, format=args.format, device=device,
+                               before_window=args.before_window) for t, name, device in named]
     _report(_run(sources, args), args)
     return 0
 

@@ -39,6 +39,7 @@ __all__ = [
     "make_allocator",
     "min_capacity",
     "replay",
+    "reading_progress",
     "replay_once",
 ]
 
@@ -328,30 +329,77 @@ def _make_device(capacity, granularity):
 
 
 class _Progress:
-    """A one-line progress bar on stderr, redrawn at most five times a second."""
+    """A one-line progress bar on stderr, redrawn at most five times a second and erased by
+    :meth:`close`. Hand-written rather than tqdm: one line, no dependency, and the few things
+    needed here (events or bytes, an unknown total) are 30 lines."""
 
-    def __init__(self, label, total, stream):
+    def __init__(self, label, total, stream, unit="events"):
         self.label = label if len(label) <= 60 else label[:57] + "..."
-        self.total, self.stream = total, stream
+        self.total, self.stream, self.unit = total, stream, unit
         self.last = 0.0
+        self.drawn = False
 
     def update(self, done, force=False):
         now = time.monotonic()
         if not force and now - self.last < 0.2:
             return
         self.last = now
+        count = format_size if self.unit == "bytes" else (lambda n: f"{n:,}")
+        unit = "" if self.unit == "bytes" else f" {self.unit}"
         if self.total:
             frac = min(1.0, done / self.total)
             bar = "#" * int(frac * 20)
-            text = f"{self.label} [{bar:<20}] {frac:6.1%} of {self.total:,} events"
+            text = f"{self.label} [{bar:<20}] {frac:6.1%} of {count(self.total)}{unit}"
         else:
-            text = f"{self.label} {done:,} events"
-        self.stream.write("\r" + text[:120])
+            text = f"{self.label} {count(done)}{unit}"
+        width = _terminal_width()
+        self.stream.write("\r" + text[:width].ljust(width))
         self.stream.flush()
+        self.drawn = True
 
     def close(self):
-        self.stream.write("\r" + " " * 120 + "\r")
-        self.stream.flush()
+        if self.drawn:
+            self.stream.write("\r" + " " * _terminal_width() + "\r")
+            self.stream.flush()
+            self.drawn = False
+
+
+def _terminal_width():
+    import shutil
+
+    return max(20, min(120, shutil.get_terminal_size((80, 24)).columns - 1))
+
+
+class reading_progress:
+    """A context in which reading trace files draws a progress bar of the bytes read (on
+    ``stream``, default stderr): the passes that come before any event is replayed, such as
+    finding a profiler trace's devices or what was live before its window."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.bar = None
+        self.saved = None
+
+    def _hook(self, path, done, total):
+        if self.bar is None or self.bar.path != path:
+            if self.bar is not None:
+                self.bar.close()
+            self.bar = _Progress(f"reading {Path(path).name}", total, self.stream, "bytes")
+            self.bar.path = path
+        self.bar.update(done)
+
+    def __enter__(self):
+        from vmalloc.traces import _files
+
+        self.saved, _files.progress_hook = _files.progress_hook, self._hook
+        return self
+
+    def __exit__(self, *exc):
+        from vmalloc.traces import _files
+
+        _files.progress_hook = self.saved
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _run(source, kind, capacity, granularity, options, timeline_points, progress_label=None):
@@ -360,7 +408,15 @@ def _run(source, kind, capacity, granularity, options, timeline_points, progress
     device = _make_device(capacity, granularity)
     allocator = make_allocator(kind, device, **options)
     engine = Replay(allocator, timeline_points=timeline_points, stop_on_out_of_memory=True)
-    bar = _Progress(progress_label, source.total_events, sys.stderr) if progress_label else None
+    bar = None
+    hook = None
+    if progress_label and source.total_events:
+        # Events of a known total: a bar of events (else the bar of bytes read, if any, says
+        # how far reading the file is).
+        from vmalloc.traces import _files
+
+        bar = _Progress(progress_label, source.total_events, sys.stderr)
+        hook, _files.progress_hook = _files.progress_hook, None
     start = time.perf_counter()
     in_engine = 0.0
     try:
@@ -375,6 +431,9 @@ def _run(source, kind, capacity, granularity, options, timeline_points, progress
     finally:
         if bar:
             bar.close()
+            from vmalloc.traces import _files
+
+            _files.progress_hook = hook
     return engine, allocator, device, (time.perf_counter() - start, in_engine)
 
 
@@ -582,6 +641,20 @@ def replay(trace=None, allocators=ALLOCATOR_KINDS, *, capacity=None, granularity
     searched too, in at most ``max_probes`` replays (see :func:`min_capacity`). The other
     arguments are those of :func:`replay_once`.
     """
+    if progress:
+        with reading_progress():
+            return _replay(trace, allocators, capacity, granularity, chunk_size,
+                           max_split_size, policy, steal_before_create, remap_slack,
+                           min_capacity, max_probes, timeline_points, progress, format, device,
+                           before_window, name)
+    return _replay(trace, allocators, capacity, granularity, chunk_size, max_split_size,
+                   policy, steal_before_create, remap_slack, min_capacity, max_probes,
+                   timeline_points, progress, format, device, before_window, name)
+
+
+def _replay(trace, allocators, capacity, granularity, chunk_size, max_split_size, policy,
+            steal_before_create, remap_slack, min_capacity, max_probes, timeline_points,
+            progress, format, device, before_window, name):
     source = _source(trace, format=format, device=device, before_window=before_window,
                      name=name)
     if isinstance(allocators, str) or callable(allocators):

@@ -10,6 +10,7 @@ filling memory.
 
 import gzip
 import io
+import os
 import zlib
 
 from vmalloc.errors import TraceFormatError
@@ -20,9 +21,46 @@ GZIP_MAGIC = b"\x1f\x8b"
 MAX_LINE_CHARS = 1 << 20
 
 
+#: Called as ``hook(path, bytes_read, file_bytes)`` as trace files are read (at most every
+#: 64 KiB, by the reader's own reads), when set: the command line's progress bar for reading.
+#: None (the default): files are read directly.
+progress_hook = None
+
+
+class _Watched(io.RawIOBase):
+    """A raw file that reports its position to :data:`progress_hook` as it is read."""
+
+    def __init__(self, f, path, hook):
+        self._f, self._path, self._hook = f, os.fspath(path), hook
+        try:
+            self._size = os.fstat(f.fileno()).st_size
+        except OSError:
+            self._size = 0
+        self._done = 0
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        n = self._f.readinto(buffer)
+        if n:
+            self._done += n
+            self._hook(self._path, self._done, self._size)
+        return n
+
+    def close(self):
+        self._f.close()
+        super().close()
+
+
 def open_binary(path):
     """``path`` opened for binary reading, decompressed on the fly if it is gzip."""
-    f = open(path, "rb")
+    hook = progress_hook
+    if hook is not None:
+        raw = open(path, "rb", buffering=0)
+        f = io.BufferedReader(_Watched(raw, path, hook), 1 << 16)
+    else:
+        f = open(path, "rb")
     try:
         if f.peek(2)[:2] == GZIP_MAGIC:
             return gzip.GzipFile(fileobj=f, mode="rb")
