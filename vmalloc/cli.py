@@ -53,10 +53,12 @@ def _allocator_names(text):
 
 
 def _add_run_options(p):
+    from vmalloc.replay import ALLOCATOR_KINDS, ALLOCATOR_NAMES
+
     p.add_argument("--allocator", "-a", dest="allocators", action="append",
-                   type=_allocator_names, metavar="{caching,virtual,virtual-packed}",
+                   type=_allocator_names, metavar="{" + ",".join(ALLOCATOR_NAMES) + "}",
                    help="allocator to replay through; repeat (or separate with commas) for "
-                        "several; default: caching and virtual")
+                        f"several; default: all of {', '.join(ALLOCATOR_KINDS)}")
     p.add_argument("--capacity", type=_size, metavar="SIZE",
                    help="device capacity such as 16GiB; a run stops at its first "
                         "out-of-memory and reports the event (default: unlimited)")
@@ -78,12 +80,19 @@ def _add_run_options(p):
     p.add_argument("--json", action="store_true",
                    help="print a JSON list of results instead of a table")
     p.add_argument("--plot", metavar="FILE.png",
-                   help="write a PNG of requested and reserved bytes over each trace")
+                   help="write a plot of requested and reserved bytes over each trace, in the "
+                        "format its suffix names: .png, .svg or .pdf")
     p.add_argument("--no-min-capacity", dest="min_capacity", action="store_false",
                    help="skip the search for the smallest capacity that runs the trace")
     p.add_argument("--max-probes", type=int, default=None, metavar="N",
                    help="replays the minimum-capacity search may make per allocator "
                         "(default 32)")
+
+
+def _kinds():
+    from vmalloc.replay import ALLOCATOR_KINDS
+
+    return ALLOCATOR_KINDS
 
 
 def _parser():
@@ -100,9 +109,9 @@ def _parser():
 
     p = sub.add_parser(
         "replay", help="replay allocator traces through the allocators",
-        description="Replay allocator traces (PyTorch memory snapshots, RMM logs, ...) "
-                    "through the caching allocator and the virtual allocator (chunk and packed "
-                    "placement) on an emulated device. "
+        description="Replay allocator traces (PyTorch memory snapshots and profiler traces, "
+                    "RMM logs, .vmtrace) through each allocator ("
+                    + ", ".join(_kinds()) + ") on an emulated device. "
                     "With no TRACE, the traces shipped with vmalloc.")
     p.add_argument("traces", nargs="*", metavar="TRACE",
                    help="trace files, or directories of them (the ranks of one job: replayed "
@@ -126,8 +135,8 @@ def _parser():
     p = sub.add_parser(
         "stress", help="replay generated patterns that break best-fit caching",
         description="Replay generated allocation patterns (the out-of-core swap pattern, "
-                    "growing sizes, random sizes with long-lived survivors) through the "
-                    "allocators. With no PATTERN, all of them.")
+                    "growing sizes, random sizes with long-lived survivors) through each "
+                    "allocator (" + ", ".join(_kinds()) + "). With no PATTERN, all of them.")
     p.add_argument("patterns", nargs="*", metavar="PATTERN",
                    help=f"one of: {', '.join(PATTERNS)}")
     p.add_argument("--seed", type=int, default=0, help="random seed of the patterns (0)")
@@ -139,8 +148,8 @@ def _parser():
     sub.add_parser("bench", add_help=False, help="run the benchmarks (vmalloc bench --help)")
 
     p = sub.add_parser("convert", help="convert a trace to another format",
-                       description="Convert a trace file; the formats are those of "
-                                   "vmalloc.traces (the destination's from its name).")
+                       description="Convert a trace file of any format vmalloc reads to "
+                                   ".vmtrace or to an RMM log (.csv), as DST's name says.")
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
     p.add_argument("--format", help="format of SRC (default: detected)")
@@ -188,6 +197,17 @@ def _reading_bar(args):
     from vmalloc.replay import reading_progress
 
     return reading_progress() if _progress(args) else contextlib.nullcontext()
+
+
+def _check_outputs(args):
+    """Refuses, before any replay, an output whose name asks for a format not written."""
+    if getattr(args, "plot", None):
+        from vmalloc.plot import plot_format
+
+        try:
+            plot_format(args.plot)
+        except VmallocError as error:
+            raise _CliError(f"--plot {args.plot}: {error}") from None
 
 
 def _run(sources, args):
@@ -400,6 +420,11 @@ def main(argv=None):
             # Everything after "bench" is the benchmark's own command line.
             return _bench_command(argv[1:])
         args = _parser().parse_args(argv)
+        _check_outputs(args)
+        if args.command == "convert":
+            from vmalloc.traces.convert import destination_format
+
+            destination_format(args.dst)  # before reading the source
         if args.command == "replay":
             return _replay_command(args)
         if args.command == "stress":

@@ -17,11 +17,29 @@ _COLORS = {"caching": "#d62728", "virtual": "#1f77b4"}
 _OTHER_COLORS = ["#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
 
 
+#: The suffixes --plot writes, and the matplotlib format of each.
+PLOT_FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
+
+
+def plot_format(path):
+    """The image format ``path``'s suffix names; InvalidArgumentError for any other."""
+    import os
+
+    from vmalloc.errors import InvalidArgumentError
+
+    suffix = os.path.splitext(os.fspath(path))[1].lower()
+    if suffix not in PLOT_FORMATS:
+        raise InvalidArgumentError(
+            f"cannot tell the image format from {suffix or 'no suffix'!r}: name the file "
+            + ", ".join("*" + s for s in PLOT_FORMATS))
+    return PLOT_FORMATS[suffix]
+
+
 def plot_results(results, path, title=None, dpi=110):
-    """Writes a PNG of ``results`` (:class:`vmalloc.replay.ReplayResult` with timelines) to
-    ``path``: one panel per trace, requested bytes in black and each allocator's reserved
-    bytes in colour, the utilization of each in the legend and the panel title. Returns
-    ``path``."""
+    """Writes a plot of ``results`` (:class:`vmalloc.replay.ReplayResult` with timelines) to
+    ``path`` (PNG, SVG or PDF, as its suffix says; anything else is an InvalidArgumentError):
+    one panel per trace, requested bytes in black and each allocator's reserved bytes in
+    colour, the utilization of each in the legend and the panel title. Returns ``path``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -75,5 +93,5 @@ def plot_results(results, path, title=None, dpi=110):
                   frameon=False)
     if title:
         figure.suptitle(title)
-    figure.savefig(path, format="png")
+    figure.savefig(path, format=plot_format(path))
     return path
