@@ -119,3 +119,13 @@ def test_trace_with_nothing_before_reports_zero(tmp_path, before_window):
     [r] = replay(str(path), ["caching"], min_capacity=False, before_window=before_window)
     assert (r.unmatched_frees, r.unmatched_free_bytes, r.live_before_window_bytes) == (0, 0, 0)
     assert r.recorded_peak_reserved_bytes == 2 * MiB
+
+
+def test_side_by_side_shows_pytorchs_reserved(tmp_path, capsys):
+    a = mid_job_trace(tmp_path / "rank0.json")
+    b = mid_job_trace(tmp_path / "rank1.json")
+    assert main(["replay", str(a), str(b), "--no-min-capacity", "-a", "caching"]) == 0
+    out = capsys.readouterr().out
+    summary = out[out.index("side by side"):].splitlines()
+    assert "pytorch reserved (util.)" in summary[1]
+    assert summary[2].split()[-3:] == ["8.00", "GiB", "(0.750)"]

@@ -775,11 +775,15 @@ def format_table(results):
 
 def format_summary(results):
     """The traces side by side (the ranks of one job, say): one row per trace, its peak
-    requested bytes, then each allocator's peak reserved bytes and utilization."""
+    requested bytes, then each allocator's peak reserved bytes and utilization, and PyTorch's
+    recorded ones when a profiler trace has them."""
     traces = list(dict.fromkeys(r.trace for r in results))
     kinds = list(dict.fromkeys(r.allocator for r in results))
     by = {(r.trace, r.allocator): r for r in results}
     header = ["trace", "device", "peak requested"] + [f"{k} reserved (util.)" for k in kinds]
+    recorded = any(r.recorded_peak_reserved_bytes is not None for r in results)
+    if recorded:
+        header.append("pytorch reserved (util.)")
     table = [header]
     for trace in traces:
         group = [r for r in results if r.trace == trace]
@@ -793,6 +797,15 @@ def format_summary(results):
             util = "-" if r.utilization is None else f"{r.utilization:.3f}"
             stopped = "" if r.completed else ", stopped"
             row.append(f"{format_size(r.peak_reserved_bytes)} ({util}{stopped})")
+        if recorded:
+            r = group[0]
+            if r.recorded_peak_reserved_bytes is None:
+                row.append("-")
+            else:
+                util = "-"
+                if r.recorded_peak_allocated_bytes is not None and r.recorded_peak_reserved_bytes:
+                    util = (f"{r.recorded_peak_allocated_bytes / r.recorded_peak_reserved_bytes:.3f}")
+                row.append(f"{format_size(r.recorded_peak_reserved_bytes)} ({util})")
         table.append(row)
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines = ["side by side"]
