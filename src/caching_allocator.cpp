@@ -162,6 +162,7 @@ bool CachingAllocator::should_split(const Block& block, std::size_t rounded) con
 // ---- allocate ----
 
 device_ptr CachingAllocator::allocate(std::size_t nbytes, stream_t stream) {
+  device_->check_stream_alive(stream, "CachingAllocator.allocate");
   if (nbytes == 0) return 0;
   if (nbytes > max_request_bytes)
     throw InvalidArgument("CachingAllocator.allocate: nbytes " + std::to_string(nbytes) +
@@ -564,6 +565,7 @@ void CachingAllocator::return_to_pool(Block* block) {
 }
 
 void CachingAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t stream) {
+  device_->check_stream_alive(stream, "CachingAllocator.deallocate");
   if (ptr == 0) return;
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = live_.find(ptr);

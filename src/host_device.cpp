@@ -634,6 +634,12 @@ stream_t HostDevice::create_stream(bool non_blocking) {
   return streams_->create_stream(non_blocking);
 }
 
+void HostDevice::check_stream_alive(stream_t stream, const char* caller) const {
+  if (stream != 0 && streams_->destroyed(stream))
+    throw InvalidArgument(std::string(caller) + ": stream " + hex(stream) + " of " + name() +
+                          " was destroyed: allocating or freeing on it is refused");
+}
+
 void HostDevice::destroy_stream(stream_t stream) {
   count(DriverCall::stream_destroy);
   streams_->destroy_stream(stream, driver_call_entry_point(DriverCall::stream_destroy));

@@ -49,6 +49,10 @@ physical_handle PhysicalChunkPool::create_locked() {
                           " bytes reached (" + std::to_string(held) + " chunks of " +
                           std::to_string(chunk_size_) + " bytes held)",
                       chunk_size_, "chunks_held=" + std::to_string(held));
+  if (held >= max_pool_chunks)
+    throw OutOfMemory("PhysicalChunkPool: " + std::to_string(held) +
+                          " chunks held, the most one pool keeps books for",
+                      chunk_size_, "chunks_held=" + std::to_string(held));
   const physical_handle h = device_->create(chunk_size_);  // throws OutOfMemory / DeviceError
   try {
     given_out_.insert(h);
@@ -127,8 +131,8 @@ std::size_t PhysicalChunkPool::release_cached() {
 
 std::size_t PhysicalChunkPool::creatable_chunks() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  std::size_t n = static_cast<std::size_t>(-1);
   const std::size_t held = cached_.size() + given_out_.size();
+  std::size_t n = held < max_pool_chunks ? max_pool_chunks - held : 0;
   if (budget_ != 0) n = budget_ / chunk_size_ > held ? budget_ / chunk_size_ - held : 0;
   const std::size_t capacity = device_->capacity();
   if (capacity != 0) {

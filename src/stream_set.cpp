@@ -89,10 +89,18 @@ void StreamSet::destroy_stream(stream_t stream, const char* entry) {
                           ": the default stream (0) cannot be destroyed",
                       entry, cu_result::invalid_handle);
   worker = stream_locked(stream, entry);
+  destroyed_.insert(stream);  // may throw bad_alloc: nothing changed yet
   streams_.erase(stream);
+  any_destroyed_.store(true, std::memory_order_release);
   // Its queued work still runs (as in CUDA) and the call does not wait for it.
   if (!worker->done(worker->last_enqueued())) retired_.push_back(worker);
   done = prune_retired_locked();
+}
+
+bool StreamSet::destroyed(stream_t stream) const {
+  if (stream == 0 || !any_destroyed_.load(std::memory_order_acquire)) return false;
+  std::lock_guard<std::mutex> lock(mutex_);
+  return destroyed_.count(stream) != 0;
 }
 
 event_t StreamSet::create_event() {

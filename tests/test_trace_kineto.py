@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import vmalloc
-from vmalloc.traces import ALLOC, FREE, open_trace
+from vmalloc.traces import ALLOC, FREE, open_trace, trace_devices
 from vmalloc.traces import _json_stream
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "profiler_cpu_mlp.json"
@@ -79,8 +79,11 @@ def test_real_cpu_profiler_trace():
 
 
 def test_cpu_trace_asked_for_cuda_says_so():
-    with pytest.raises(vmalloc.TraceFormatError, match=r"device cuda:0.*events for cpu.*device='cpu'"):
+    # No advice in Python syntax (the command line gives its own, with its flags).
+    with pytest.raises(vmalloc.TraceFormatError, match=r"no GPU memory events, only events for cpu$"):
         open_trace(FIXTURE).scan()
+    with pytest.raises(vmalloc.TraceFormatError, match=r"device cuda:0; the trace has events for cpu$"):
+        open_trace(FIXTURE, device=0).scan()
 
 
 def test_profiler_trace_made_now_with_torch(tmp_path):
@@ -99,7 +102,7 @@ def test_profiler_trace_made_now_with_torch(tmp_path):
     assert expected, "torch recorded no [memory] events"
     # 400 kB of ones: the largest request (sizes of the others depend on torch's kernels).
     assert max(size for op, _, _, size in expected if op == ALLOC) >= 400000
-    trace = open_trace(path, device="cpu")
+    trace = open_trace(path, device="cpu", before_window="drop")
     # Frees of memory allocated before profiling began are dropped; nothing else changes.
     assert as_tuples(trace.events()) == _without_unmatched_frees(expected)
 
@@ -130,11 +133,14 @@ def test_device_selection(tmp_path):
             {"ph": "i", "name": "[OutOfMemory]", "args": {"Device Type": 1, "Device Id": 0}},
         ],
     )
-    cuda0 = open_trace(path)
+    with pytest.raises(vmalloc.TraceFormatError, match=r"several GPU devices \(cuda:0, cuda:1\)"):
+        open_trace(path)
+    assert trace_devices(path) == {"cpu": 1, "cuda:0": 2, "cuda:1": 1}
+    cuda0 = open_trace(path, device=0)
     assert as_tuples(cuda0.events()) == [(ALLOC, 0, 0x1000, 512), (FREE, 0, 0x1000, 512)]
     assert cuda0.info.metadata["memory_events_by_device"] == {"cpu": 1, "cuda:0": 2, "cuda:1": 1}
     assert cuda0.info.skipped == {"oom": 1}
-    assert open_trace(path, before_window="live").scan().skipped == {"oom": 1}
+    assert open_trace(path, device=0, before_window="live").scan().skipped == {"oom": 1}
     assert as_tuples(open_trace(path, device="cuda:1").events()) == [(ALLOC, 0, 0x2000, 256)]
     assert as_tuples(open_trace(path, device="cpu").events()) == [(ALLOC, 0, 0x3000, 64)]
     with pytest.raises(vmalloc.TraceFormatError, match="no memory events for device cuda:2"):

@@ -64,7 +64,7 @@ def test_arguments(tmp_path):
     path.write_text(CSV)
     with pytest.raises(vmalloc.InvalidArgumentError, match="unknown trace format 'xml'"):
         open_trace(path, format="xml")
-    with pytest.raises(vmalloc.InvalidArgumentError, match="before_window must be one of drop, live"):
+    with pytest.raises(vmalloc.InvalidArgumentError, match="before_window must be one of auto, drop, live"):
         open_trace(path, before_window="keep")
     with pytest.raises(vmalloc.InvalidArgumentError, match="device must be"):
         open_trace(path, device="gpu7")

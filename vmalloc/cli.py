@@ -54,10 +54,12 @@ def _allocator_names(text):
 
 
 def _add_run_options(p):
+    from vmalloc.replay import ALLOCATOR_KINDS, ALLOCATOR_NAMES
+
     p.add_argument("--allocator", "-a", dest="allocators", action="append",
-                   type=_allocator_names, metavar="{caching,expandable-segments,virtual,virtual-packed}",
+                   type=_allocator_names, metavar="{" + ",".join(ALLOCATOR_NAMES) + "}",
                    help="allocator to replay through; repeat (or separate with commas) for "
-                        "several; default: caching and virtual")
+                        f"several; default: all of {', '.join(ALLOCATOR_KINDS)}")
     p.add_argument("--capacity", type=_size, metavar="SIZE",
                    help="device capacity such as 16GiB; a run stops at its first "
                         "out-of-memory and reports the event (default: unlimited)")
@@ -79,12 +81,19 @@ def _add_run_options(p):
     p.add_argument("--json", action="store_true",
                    help="print a JSON list of results instead of a table")
     p.add_argument("--plot", metavar="FILE.png",
-                   help="write a PNG of requested and reserved bytes over each trace")
+                   help="write a plot of requested and reserved bytes over each trace, in the "
+                        "format its suffix names: .png, .svg or .pdf")
     p.add_argument("--no-min-capacity", dest="min_capacity", action="store_false",
                    help="skip the search for the smallest capacity that runs the trace")
     p.add_argument("--max-probes", type=int, default=None, metavar="N",
                    help="replays the minimum-capacity search may make per allocator "
                         "(default 32)")
+
+
+def _kinds():
+    from vmalloc.replay import ALLOCATOR_KINDS
+
+    return ALLOCATOR_KINDS
 
 
 def _parser():
@@ -101,18 +110,25 @@ def _parser():
 
     p = sub.add_parser(
         "replay", help="replay allocator traces through the allocators",
-        description="Replay allocator traces (PyTorch memory snapshots, RMM logs, ...) "
-                    "through the caching allocator and the virtual allocator (chunk and packed "
-                    "placement) on an emulated device. "
+        description="Replay allocator traces (PyTorch memory snapshots and profiler traces, "
+                    "RMM logs, .vmtrace) through each allocator ("
+                    + ", ".join(_kinds()) + ") on an emulated device. "
                     "With no TRACE, the traces shipped with vmalloc.")
-    p.add_argument("traces", nargs="*", metavar="TRACE", help="trace files")
+    p.add_argument("traces", nargs="*", metavar="TRACE",
+                   help="trace files, or directories of them (the ranks of one job: replayed "
+                        "side by side)")
     p.add_argument("--format", help="trace format (default: detected from the file)")
-    p.add_argument("--device", default="0",
-                   help="the device whose events to replay, for traces of several: a CUDA "
-                        "ordinal, cuda:N or cpu (default 0)")
-    p.add_argument("--before-window", choices=("drop", "live"), default="drop",
-                   help="memory a snapshot shows live before its window: drop its frees "
-                        "(default) or allocate it at the start")
+    p.add_argument("--device", action="append", metavar="[TRACE=]DEVICE",
+                   help="the device whose events to replay, for traces of several: auto (the "
+                        "default: the trace's only GPU device, or each of its GPU devices), "
+                        "all (every device, cpu included), a CUDA ordinal, cuda:N or cpu. "
+                        "TRACE=DEVICE applies to the trace files named TRACE (as given, or "
+                        "their file name) only; repeat for several")
+    p.add_argument("--before-window", choices=("auto", "drop", "live"), default="auto",
+                   help="memory allocated before the trace began (its frees name addresses "
+                        "the trace never allocated): allocate it at the start (live), or "
+                        "drop those frees (drop); auto (default): live for profiler traces, "
+                        "whose counters tell what was allocated, drop for the others")
     _add_run_options(p)
 
     from vmalloc.stress import PATTERNS
@@ -120,8 +136,8 @@ def _parser():
     p = sub.add_parser(
         "stress", help="replay generated patterns that break best-fit caching",
         description="Replay generated allocation patterns (the out-of-core swap pattern, "
-                    "growing sizes, random sizes with long-lived survivors) through the "
-                    "allocators. With no PATTERN, all of them.")
+                    "growing sizes, random sizes with long-lived survivors) through each "
+                    "allocator (" + ", ".join(_kinds()) + "). With no PATTERN, all of them.")
     p.add_argument("patterns", nargs="*", metavar="PATTERN",
                    help=f"one of: {', '.join(PATTERNS)}")
     p.add_argument("--seed", type=int, default=0, help="random seed of the patterns (0)")
@@ -133,14 +149,14 @@ def _parser():
     sub.add_parser("bench", add_help=False, help="run the benchmarks (vmalloc bench --help)")
 
     p = sub.add_parser("convert", help="convert a trace to another format",
-                       description="Convert a trace file; the formats are those of "
-                                   "vmalloc.traces (the destination's from its name).")
+                       description="Convert a trace file of any format vmalloc reads to "
+                                   ".vmtrace or to an RMM log (.csv), as DST's name says.")
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
     p.add_argument("--format", help="format of SRC (default: detected)")
-    p.add_argument("--device", default="0",
-                   help="the device whose events to keep: a CUDA ordinal, cuda:N or cpu "
-                        "(default 0)")
+    p.add_argument("--device", default="auto",
+                   help="the device whose events to keep: auto (the default: the trace's only "
+                        "GPU device), a CUDA ordinal, cuda:N or cpu")
 
     from vmalloc.offload.cli import add_parser as add_offload_parser
 
@@ -155,7 +171,13 @@ def _flatten(lists):
 
 
 def _report(results, args):
-    from vmalloc.replay import format_table
+    from vmalloc.replay import before_window_note, format_table
+
+    warned = set()
+    for r in results:
+        if r.trace not in warned and r.unmatched_frees:
+            warned.add(r.trace)
+            print(f"vmalloc: warning: {r.trace}: {before_window_note(r)}", file=sys.stderr)
 
     if args.json:
         json.dump([r.to_dict() for r in results], sys.stdout, indent=2)
@@ -169,6 +191,30 @@ def _report(results, args):
         print(f"plot written to {args.plot}", file=sys.stderr)
 
 
+def _progress(args):
+    """Progress bars on stderr: only on a terminal, and never with --json."""
+    return sys.stderr.isatty() and not args.json
+
+
+def _reading_bar(args):
+    import contextlib
+
+    from vmalloc.replay import reading_progress
+
+    return reading_progress() if _progress(args) else contextlib.nullcontext()
+
+
+def _check_outputs(args):
+    """Refuses, before any replay, an output whose name asks for a format not written."""
+    if getattr(args, "plot", None):
+        from vmalloc.plot import plot_format
+
+        try:
+            plot_format(args.plot)
+        except VmallocError as error:
+            raise _CliError(f"--plot {args.plot}: {error}") from None
+
+
 def _run(sources, args):
     """Replays each (source, name) through the chosen allocators; returns the results."""
     from vmalloc.replay import ALLOCATOR_KINDS, MAX_PROBES, replay
@@ -177,7 +223,7 @@ def _run(sources, args):
     max_probes = MAX_PROBES if args.max_probes is None else args.max_probes
     if max_probes < 1:
         raise _CliError(f"--max-probes must be at least 1, got {max_probes}")
-    progress = sys.stderr.isatty() and not args.json
+    progress = _progress(args)
     results = []
     for source in sources:
         results += replay(source, allocators, capacity=args.capacity,
@@ -190,18 +236,120 @@ def _run(sources, args):
     return results
 
 
+_TRACE_SUFFIXES = (".vmtrace", ".pickle", ".pkl", ".json", ".json.gz", ".csv", ".pickle.gz",
+                   ".csv.gz")
+
+
+def _natural(name):
+    """Sort key: rank2 before rank10."""
+    import re
+
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _expand(traces):
+    """TRACE arguments -> trace files: a directory stands for its trace files (by suffix), in
+    natural order (rank2 before rank10)."""
+    files = []
+    for t in traces:
+        if os.path.isdir(t):
+            found = sorted((f for f in os.listdir(t) if f.lower().endswith(_TRACE_SUFFIXES)
+                            and os.path.isfile(os.path.join(t, f))), key=_natural)
+            if not found:
+                raise _CliError(f"the directory {t} holds no trace file (*"
+                                + ", *".join(_TRACE_SUFFIXES) + ")")
+            files += [os.path.join(t, f) for f in found]
+        else:
+            files.append(t)
+    return files
+
+
+def _device_choices(values, files):
+    """--device values -> {file: device choice}: TRACE=DEVICE for the files named TRACE (as
+    given or by file name), a bare DEVICE for the others (default auto)."""
+    from vmalloc.traces._fields import parse_device
+
+    default, per = "auto", {}
+    for value in values or []:
+        target, sep, spec = value.rpartition("=")
+        spec = spec.strip()
+        if spec.lower() != "all":
+            try:
+                parse_device(spec)
+            except VmallocError:
+                raise _CliError(f"--device {value}: expected auto, all, a CUDA ordinal (0), "
+                                "cuda:N or cpu, optionally after TRACE=") from None
+        if not sep:
+            default = spec
+            continue
+        matched = [f for f in files if f == target or os.path.basename(f) == target
+                   or os.path.normpath(f) == os.path.normpath(target)]
+        if not matched:
+            raise _CliError(f"--device {value}: no TRACE named {target} on the command line")
+        for f in matched:
+            per[f] = spec
+    return {f: per.get(f, default) for f in files}
+
+
+def _flag_for(path, device):
+    ordinal = device.split(":")[1] if device.startswith("cuda:") else device
+    return f"--device {os.path.basename(path)}={ordinal}"
+
+
+def _plan(path, choice, args, quiet):
+    """The (path, name, device) replays of one trace file for a --device choice."""
+    from vmalloc.replay import _trace_name
+    from vmalloc.traces import trace_devices
+    from pathlib import Path
+
+    name = _trace_name(Path(path))
+    choice = choice.lower()
+    if choice not in ("auto", "all"):
+        return [(path, name, choice)]
+    devices = trace_devices(path, format=args.format)
+    if devices is None:  # a format of one device
+        return [(path, name, "auto")]
+    chosen = list(devices) if choice == "all" else [d for d in devices if d.startswith("cuda")]
+    if not chosen:
+        found = ", ".join(devices) or "no device"
+        raise _CliError(f"{path}: no GPU memory events, only events for {found} (replay "
+                        f"those with {_flag_for(path, next(iter(devices), 'cpu'))} or "
+                        "--device all)")
+    if len(chosen) == 1:
+        if not quiet and choice == "auto":
+            others = [d for d in devices if d not in chosen]
+            print(f"{path}: replaying {chosen[0]}, its only GPU device"
+                  + (f" (it also has {', '.join(others)}: see --device)" if others else ""),
+                  file=sys.stderr)
+        return [(path, name, chosen[0])]
+    if not quiet:
+        print(f"{path}: replaying each of its devices {', '.join(chosen)} (choose one with "
+              f"{_flag_for(path, chosen[0])})", file=sys.stderr)
+    return [(path, f"{name} [{d}]", d) for d in chosen]
+
+
 def _replay_command(args):
     from vmalloc.replay import TraceSource
     from vmalloc.traces import builtin_traces
 
+    quiet = args.json
     if args.traces:
-        named = [(t, None) for t in args.traces]
+        files = _expand(args.traces)
+        choices = _device_choices(args.device, files)
+        with _reading_bar(args):  # finding a profiler trace's devices reads it once
+            named = [plan for f in files for plan in _plan(f, choices[f], args, quiet)]
     else:
-        named = [(path, name) for name, path in sorted(builtin_traces().items())]
+        if args.device:
+            _device_choices(args.device, [])  # validate: a TRACE= names no file here
+        named = [(path, name, "auto") for name, path in sorted(builtin_traces().items())]
         if not named:
             raise _CliError("no TRACE given and no built-in trace is installed")
-    sources = [TraceSource(t, name=name, format=args.format, device=args.device,
-                           before_window=args.before_window) for t, name in named]
+    names = [n for _, n, _ in named]
+    if len(set(names)) < len(names):  # the same name in two directories: use the paths
+        named = [(p, p if names.count(n) > 1 else n, d) for p, n, d in named]
+    with _reading_bar(args):  # opening a snapshot reads it whole
+        sources = [TraceSource(t, name=name, format=args.format, device=device,
+                               before_window=args.before_window) for t, name, device in named]
     _report(_run(sources, args), args)
     return 0
 
@@ -259,6 +407,20 @@ def _user_errors():
     return tuple(errors)
 
 
+def _in_cli_terms(error, message):
+    """A library error about a device choice, rephrased with the command line's flags."""
+    from vmalloc.traces._fields import NoDeviceEventsError
+
+    if not isinstance(error, NoDeviceEventsError) or not error.path:
+        return message
+    gpus = [d for d in error.found if d.startswith("cuda")]
+    hint = _flag_for(error.path, (gpus or error.found or ["0"])[0])
+    if error.wanted == "auto" and len(gpus) > 1:
+        return (f"{error.path}: memory events for several GPU devices ({', '.join(gpus)}): "
+                f"choose one with {hint}, or --device all")
+    return f"{message} (choose with {hint})"
+
+
 def main(argv=None):
     """Runs the command line with ``argv`` (default ``sys.argv[1:]``); returns the exit
     status: 0 on success, 2 on a usage or input error (one line on stderr)."""
@@ -269,6 +431,11 @@ def main(argv=None):
             # Everything after "bench" is the benchmark's own command line.
             return _bench_command(argv[1:])
         args = _parser().parse_args(argv)
+        _check_outputs(args)
+        if args.command == "convert":
+            from vmalloc.traces.convert import destination_format
+
+            destination_format(args.dst)  # before reading the source
         if args.command == "replay":
             return _replay_command(args)
         if args.command == "stress":
@@ -288,8 +455,16 @@ def main(argv=None):
         # at devnull so that the interpreter's final flush does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except MemoryError as error:
+        if isinstance(error, VmallocError):  # an allocator's OutOfMemoryError: the input's
+            message = str(error)
+        else:
+            message = "this machine ran out of memory (MemoryError); the input is too large"
+        print(f"vmalloc {command or ''}: error: {message}".replace("  ", " "), file=sys.stderr)
+        return EXIT_ERROR
     except _user_errors() as error:
         message = str(error) or type(error).__name__
+        message = _in_cli_terms(error, message)
         if isinstance(error, OSError) and error.filename and error.strerror:
             message = f"{error.strerror}: {error.filename}"
         print(f"vmalloc {command or ''}: error: {message}".replace("  ", " "), file=sys.stderr)

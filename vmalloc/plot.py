@@ -17,11 +17,29 @@ _COLORS = {"caching": "#d62728", "virtual": "#1f77b4"}
 _OTHER_COLORS = ["#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
 
 
+#: The suffixes --plot writes, and the matplotlib format of each.
+PLOT_FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
+
+
+def plot_format(path):
+    """The image format ``path``'s suffix names; InvalidArgumentError for any other."""
+    import os
+
+    from vmalloc.errors import InvalidArgumentError
+
+    suffix = os.path.splitext(os.fspath(path))[1].lower()
+    if suffix not in PLOT_FORMATS:
+        raise InvalidArgumentError(
+            f"cannot tell the image format from {suffix or 'no suffix'!r}: name the file "
+            + ", ".join("*" + s for s in PLOT_FORMATS))
+    return PLOT_FORMATS[suffix]
+
+
 def plot_results(results, path, title=None, dpi=110):
-    """Writes a PNG of ``results`` (:class:`vmalloc.replay.ReplayResult` with timelines) to
-    ``path``: one panel per trace, requested bytes in black and each allocator's reserved
-    bytes in colour, the utilization of each in the legend and the panel title. Returns
-    ``path``."""
+    """Writes a plot of ``results`` (:class:`vmalloc.replay.ReplayResult` with timelines) to
+    ``path`` (PNG, SVG or PDF, as its suffix says; anything else is an InvalidArgumentError):
+    one panel per trace, requested bytes in black and each allocator's reserved bytes in
+    colour, the utilization of each in the legend and the panel title. Returns ``path``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -50,8 +68,9 @@ def plot_results(results, path, title=None, dpi=110):
             if name not in colors:
                 colors[name] = _COLORS.get(name) or next(spare, "#7f7f7f")
             t = result.timeline
+            util = "-" if result.utilization is None else f"{result.utilization:.3f}"
             label = (f"reserved: {name} (peak {result.peak_reserved_bytes / GiB:.2f} GiB, "
-                     f"utilization {result.utilization:.3f})")
+                     f"utilization {util})")
             if result.min_capacity_bytes:
                 label += f", runs in {result.min_capacity_bytes / GiB:.2f} GiB"
             if result.out_of_memory_event is not None:
@@ -59,7 +78,7 @@ def plot_results(results, path, title=None, dpi=110):
                 ax.axvline(result.out_of_memory_event, color=colors[name], ls=":", lw=1)
             ax.step(t.events, t.reserved_bytes / GiB, where="post", color=colors[name], lw=1.6,
                     label=label)
-            parts.append(f"{name} {result.utilization:.3f}")
+            parts.append(f"{name} {util}")
             if result.capacity_bytes:
                 ax.axhline(result.capacity_bytes / GiB, color="gray", ls="--", lw=0.8)
         ax.set_title(f"{trace}\nutilization (peak requested / peak reserved): "
@@ -74,5 +93,5 @@ def plot_results(results, path, title=None, dpi=110):
                   frameon=False)
     if title:
         figure.suptitle(title)
-    figure.savefig(path, format="png")
+    figure.savefig(path, format=plot_format(path))
     return path

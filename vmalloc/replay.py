@@ -34,10 +34,12 @@ __all__ = [
     "ReplayResult",
     "Timeline",
     "TraceSource",
+    "format_summary",
     "format_table",
     "make_allocator",
     "min_capacity",
     "replay",
+    "reading_progress",
     "replay_once",
 ]
 
@@ -80,7 +82,7 @@ class ReplayResult:
     """What one allocator did with one trace.
 
     ``utilization`` is ``peak_requested_bytes / peak_reserved_bytes`` (1.0 is no waste at
-    all). ``out_of_memory_event`` is the index of the first allocation that ran out of memory
+    all; None when nothing was reserved, as in a run that stopped at its first event). ``out_of_memory_event`` is the index of the first allocation that ran out of memory
     under ``capacity_bytes``, where the run stopped (None when it completed).
     ``min_capacity_bytes`` is the smallest device capacity, in whole granules, under which the
     whole trace ran (None when not searched); ``min_capacity_exact`` tells whether one granule
@@ -89,8 +91,21 @@ class ReplayResult:
     ``min_capacity_bytes``: how much of the smallest device that works the trace really uses. Without a capacity an allocator
     may keep cached memory it would give up under pressure (the virtual allocator creates
     chunks before it remaps cached ones), so this is the fairer figure of merit.
-    ``replay_seconds`` is the run's wall time, trace reading included; ``engine_seconds`` the
-    part spent replaying, which ``events_per_second`` is computed from.
+    What the trace itself says (None when unknown, or when no pass over the whole trace
+    finished): ``unmatched_frees`` and ``unmatched_free_bytes`` count the trace's frees of
+    memory it never allocated (allocated before it began, or lost by the log), whatever
+    ``before_window`` (``"drop"`` or ``"live"``) did with them; ``live_before_window_bytes``
+    is what was replayed as live from the start (``"live"``: those frees' memory and, for
+    profiler traces, the rest of PyTorch's ``Total Allocated`` at the first event);
+    ``recorded_peak_allocated_bytes`` and ``recorded_peak_reserved_bytes`` are PyTorch's own
+    counters at their peaks (profiler traces): what PyTorch actually reserved, to compare with
+    each allocator's ``peak_reserved_bytes``.
+    ``replay_seconds`` is the run's wall time without reading the trace file (so the first
+    allocator, which reads it, is not charged for it); ``read_seconds`` is what one complete
+    pass over the file took to read and parse (the same for every allocator of a trace; None
+    when no pass finished, 0 for events in memory); ``engine_seconds`` is the part of
+    ``replay_seconds`` spent in the replay engine, which ``events_per_second`` is computed
+    from.
     """
 
     trace: str
@@ -103,7 +118,7 @@ class ReplayResult:
     peak_requested_bytes: int
     peak_reserved_bytes: int
     peak_allocated_bytes: int
-    utilization: float
+    utilization: Optional[float]
     peak_internal_fragmentation_bytes: int
     peak_live_allocations: int
     allocations: int
@@ -121,6 +136,14 @@ class ReplayResult:
     engine_seconds: float
     events_per_second: float
     options: dict = field(default_factory=dict)
+    device: Optional[str] = None
+    read_seconds: Optional[float] = None
+    before_window: Optional[str] = None
+    unmatched_frees: Optional[int] = None
+    unmatched_free_bytes: Optional[int] = None
+    live_before_window_bytes: Optional[int] = None
+    recorded_peak_allocated_bytes: Optional[int] = None
+    recorded_peak_reserved_bytes: Optional[int] = None
     min_capacity_bytes: Optional[int] = None
     min_capacity_utilization: Optional[float] = None
     min_capacity_exact: Optional[bool] = None
@@ -139,6 +162,10 @@ class ReplayResult:
         return out
 
 
+#: Trace formats that record several devices, and so say which one was replayed.
+_MULTI_DEVICE_FORMATS = ("kineto", "torch_snapshot")
+
+
 class TraceSource:
     """Events to replay, readable as many times as the bisection needs.
 
@@ -149,10 +176,18 @@ class TraceSource:
     :data:`CACHE_EVENTS` events are kept in memory after their first read.
     """
 
-    def __init__(self, source, name=None, format=None, device=0, before_window="drop"):
+    def __init__(self, source, name=None, format=None, device="auto", before_window="auto"):
         self._trace = None
         self._cached = None
         self.total_events = None
+        #: The device whose events are replayed (``"cuda:1"``), None when not a trace file.
+        self.device = None
+        #: Seconds spent reading and parsing the file, in all passes so far.
+        self.reading_seconds = 0.0
+        self._reading_at_start = 0.0
+        #: Seconds one complete pass over the file took to read (None until one finished;
+        #: 0 for events in memory).
+        self.read_seconds = None
         if isinstance(source, (str, os.PathLike)):
             from vmalloc.traces import open_trace
 
@@ -160,6 +195,8 @@ class TraceSource:
             self._trace = open_trace(path, format=format, device=device,
                                      before_window=before_window)
             self.name = name or _trace_name(path)
+            if self._trace.format in _MULTI_DEVICE_FORMATS:  # the others do not say
+                self.device = self._trace.device
         elif isinstance(source, np.ndarray):
             batch = _as_events(source)
             self._cached = [batch[i:i + BATCH_EVENTS] for i in range(0, len(batch), BATCH_EVENTS)]
@@ -167,6 +204,8 @@ class TraceSource:
             self.name = name or "events"
         elif hasattr(source, "batches"):
             self._trace = source
+            if getattr(source, "format", None) in _MULTI_DEVICE_FORMATS:
+                self.device = getattr(source, "device", None)
             path = getattr(source, "path", None)
             self.name = name or getattr(source, "name", None) or (
                 _trace_name(Path(path)) if path else "trace")
@@ -184,13 +223,30 @@ class TraceSource:
             if isinstance(value, int) and not isinstance(value, bool):
                 self.total_events = value
 
+    @property
+    def info(self):
+        """The trace's :class:`~vmalloc.traces.TraceInfo` (None for arrays of events)."""
+        return getattr(self._trace, "info", None)
+
     def batches(self):
         """Yields the event batches, from the memory cache when there is one."""
         if self._cached is not None:
+            if self.read_seconds is None:
+                self.read_seconds = 0.0
             yield from self._cached
             return
+        self._reading_at_start = self.reading_seconds
         kept, count = [], 0
-        for batch in self._trace.batches():
+        batches = iter(self._trace.batches())
+        while True:
+            # Time spent reading and parsing the file (not in the caller between batches).
+            t = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                self.reading_seconds += time.perf_counter() - t
+                break
+            self.reading_seconds += time.perf_counter() - t
             batch = _as_events(batch)
             count += len(batch)
             if kept is not None:
@@ -200,6 +256,7 @@ class TraceSource:
                     kept = None
             yield batch
         self.total_events = count
+        self.read_seconds = self.reading_seconds - self._reading_at_start
         if kept is not None:
             self._cached = kept
 
@@ -223,7 +280,7 @@ def _as_events(batch):
     return np.ascontiguousarray(arr.reshape(-1))
 
 
-def _source(trace, format=None, device=0, before_window="drop", name=None):
+def _source(trace, format=None, device="auto", before_window="auto", name=None):
     if isinstance(trace, TraceSource):
         return trace
     if trace is None:
@@ -301,30 +358,77 @@ def _make_device(capacity, granularity):
 
 
 class _Progress:
-    """A one-line progress bar on stderr, redrawn at most five times a second."""
+    """A one-line progress bar on stderr, redrawn at most five times a second and erased by
+    :meth:`close`. Hand-written rather than tqdm: one line, no dependency, and the few things
+    needed here (events or bytes, an unknown total) are 30 lines."""
 
-    def __init__(self, label, total, stream):
+    def __init__(self, label, total, stream, unit="events"):
         self.label = label if len(label) <= 60 else label[:57] + "..."
-        self.total, self.stream = total, stream
+        self.total, self.stream, self.unit = total, stream, unit
         self.last = 0.0
+        self.drawn = False
 
     def update(self, done, force=False):
         now = time.monotonic()
         if not force and now - self.last < 0.2:
             return
         self.last = now
+        count = format_size if self.unit == "bytes" else (lambda n: f"{n:,}")
+        unit = "" if self.unit == "bytes" else f" {self.unit}"
         if self.total:
             frac = min(1.0, done / self.total)
             bar = "#" * int(frac * 20)
-            text = f"{self.label} [{bar:<20}] {frac:6.1%} of {self.total:,} events"
+            text = f"{self.label} [{bar:<20}] {frac:6.1%} of {count(self.total)}{unit}"
         else:
-            text = f"{self.label} {done:,} events"
-        self.stream.write("\r" + text[:120])
+            text = f"{self.label} {count(done)}{unit}"
+        width = _terminal_width()
+        self.stream.write("\r" + text[:width].ljust(width))
         self.stream.flush()
+        self.drawn = True
 
     def close(self):
-        self.stream.write("\r" + " " * 120 + "\r")
-        self.stream.flush()
+        if self.drawn:
+            self.stream.write("\r" + " " * _terminal_width() + "\r")
+            self.stream.flush()
+            self.drawn = False
+
+
+def _terminal_width():
+    import shutil
+
+    return max(20, min(120, shutil.get_terminal_size((80, 24)).columns - 1))
+
+
+class reading_progress:
+    """A context in which reading trace files draws a progress bar of the bytes read (on
+    ``stream``, default stderr): the passes that come before any event is replayed, such as
+    finding a profiler trace's devices or what was live before its window."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.bar = None
+        self.saved = None
+
+    def _hook(self, path, done, total):
+        if self.bar is None or self.bar.path != path:
+            if self.bar is not None:
+                self.bar.close()
+            self.bar = _Progress(f"reading {Path(path).name}", total, self.stream, "bytes")
+            self.bar.path = path
+        self.bar.update(done)
+
+    def __enter__(self):
+        from vmalloc.traces import _files
+
+        self.saved, _files.progress_hook = _files.progress_hook, self._hook
+        return self
+
+    def __exit__(self, *exc):
+        from vmalloc.traces import _files
+
+        _files.progress_hook = self.saved
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _run(source, kind, capacity, granularity, options, timeline_points, progress_label=None):
@@ -333,8 +437,17 @@ def _run(source, kind, capacity, granularity, options, timeline_points, progress
     device = _make_device(capacity, granularity)
     allocator = make_allocator(kind, device, **options)
     engine = Replay(allocator, timeline_points=timeline_points, stop_on_out_of_memory=True)
-    bar = _Progress(progress_label, source.total_events, sys.stderr) if progress_label else None
+    bar = None
+    hook = None
+    if progress_label and source.total_events:
+        # Events of a known total: a bar of events (else the bar of bytes read, if any, says
+        # how far reading the file is).
+        from vmalloc.traces import _files
+
+        bar = _Progress(progress_label, source.total_events, sys.stderr)
+        hook, _files.progress_hook = _files.progress_hook, None
     start = time.perf_counter()
+    reading_before = getattr(source, "reading_seconds", 0.0)
     in_engine = 0.0
     try:
         for batch in source.batches():
@@ -348,7 +461,13 @@ def _run(source, kind, capacity, granularity, options, timeline_points, progress
     finally:
         if bar:
             bar.close()
-    return engine, allocator, device, (time.perf_counter() - start, in_engine)
+            from vmalloc.traces import _files
+
+            _files.progress_hook = hook
+    # Reading the file is the trace's cost, not the allocator's (the first run would pay it
+    # all, the others replay from memory): left out here, reported as read_seconds.
+    reading = getattr(source, "reading_seconds", 0.0) - reading_before
+    return engine, allocator, device, (time.perf_counter() - start - reading, in_engine)
 
 
 def _passes(source, kind, capacity, granularity, options, label=None):
@@ -360,8 +479,8 @@ def _passes(source, kind, capacity, granularity, options, label=None):
 
 def replay_once(trace, allocator="virtual", *, capacity=None, granularity=None, chunk_size=None,
                 max_split_size=None, policy=None, steal_before_create=None,
-                remap_slack=None, timeline_points=2048, progress=False, format=None, device=0,
-                before_window="drop", name=None):
+                remap_slack=None, timeline_points=2048, progress=False, format=None, device="auto",
+                before_window="auto", name=None):
     """Replays ``trace`` through one allocator on a fresh unbacked HostDevice.
 
     Args:
@@ -395,8 +514,37 @@ def replay_once(trace, allocator="virtual", *, capacity=None, granularity=None, 
     label = f"{source.name}: {kind_name or 'allocator'}" if progress else None
     engine, alloc, dev, seconds = _run(source, allocator, capacity, granularity, options,
                                        timeline_points, label)
-    return _result(source, kind_name or alloc.name, engine, alloc, dev, seconds, capacity,
-                   options)
+    result = _result(source, kind_name or alloc.name, engine, alloc, dev, seconds, capacity,
+                     options)
+    return _add_trace_facts(source, [result])[0]
+
+
+def _trace_facts(source):
+    """The ReplayResult fields that come from the trace's info (a completed pass)."""
+    info = source.info
+    if info is None or not getattr(info, "complete", False):
+        return {}
+    meta = info.metadata or {}
+    live = info.before_window == "live"
+    return {
+        "before_window": info.before_window,
+        "unmatched_frees": info.frees_before_window + info.unmatched_frees,
+        "unmatched_free_bytes": info.free_before_window_bytes + info.unmatched_free_bytes,
+        "live_before_window_bytes": info.synthetic_alloc_bytes if live else 0,
+        "recorded_peak_allocated_bytes": meta.get("recorded_peak_allocated_bytes"),
+        "recorded_peak_reserved_bytes": meta.get("recorded_peak_reserved_bytes"),
+    }
+
+
+def _add_trace_facts(source, results):
+    read = getattr(source, "read_seconds", None)
+    for result in results:
+        if read is not None:
+            result.read_seconds = read
+    for name, value in _trace_facts(source).items():
+        for result in results:
+            setattr(result, name, value)
+    return results
 
 
 def _result(source, kind, engine, allocator, device, seconds, capacity, options):
@@ -419,7 +567,8 @@ def _result(source, kind, engine, allocator, device, seconds, capacity, options)
         peak_requested_bytes=stats.peak_requested_bytes,
         peak_reserved_bytes=stats.peak_reserved_bytes,
         peak_allocated_bytes=stats.peak_allocated_bytes,
-        utilization=stats.utilization,
+        # Nothing reserved (a run that stopped at its first event): no ratio to report.
+        utilization=stats.utilization if stats.peak_reserved_bytes else None,
         peak_internal_fragmentation_bytes=stats.peak_internal_fragmentation_bytes,
         peak_live_allocations=stats.peak_live_allocations,
         allocations=counts["allocations"],
@@ -434,9 +583,11 @@ def _result(source, kind, engine, allocator, device, seconds, capacity, options)
         modeled_driver_seconds=calls["modeled_seconds"],
         driver_call_counts={k: calls[k] for k in call_names if calls[k]},
         replay_seconds=seconds[0],
+        read_seconds=getattr(source, "read_seconds", None),
         engine_seconds=seconds[1],
         events_per_second=events / seconds[1] if seconds[1] > 0 else 0.0,
         options=dict(options),
+        device=source.device,
         stats=stats,
         timeline=Timeline(first, requested, reserved),
     )
@@ -444,8 +595,8 @@ def _result(source, kind, engine, allocator, device, seconds, capacity, options)
 
 def min_capacity(trace, allocator="virtual", *, granularity=None, chunk_size=None,
                  max_split_size=None, policy=None, steal_before_create=None,
-                 remap_slack=None, max_probes=MAX_PROBES, reference=None, format=None, device=0,
-                 before_window="drop"):
+                 remap_slack=None, max_probes=MAX_PROBES, reference=None, format=None, device="auto",
+                 before_window="auto"):
     """The smallest device capacity, in whole granules, under which ``trace`` runs to the end.
 
     Bisection between the trace's peak requested bytes (no allocator can do with less) and
@@ -474,10 +625,16 @@ def _bisect(source, kind, granularity, options, max_probes, reference, progress=
     label = None
     if progress:
         label = f"{source.name}: {kind if isinstance(kind, str) else 'allocator'} min capacity"
+    if reference is not None and not reference.completed and reference.capacity_bytes is None:
+        return None, False, probes, reference.peak_requested_bytes
     if reference is None or not reference.completed or reference.capacity_bytes is not None:
         engine, alloc, dev, _ = _run(source, kind, None, granularity, options, 0,
                                      label and f"{label} unlimited run")
         probes += 1
+        if engine.stopped:
+            # Out of memory without any capacity: a request the allocator refuses whatever
+            # the device (larger than it keeps books for); no capacity runs the trace.
+            return None, False, probes, alloc.stats().peak_requested_bytes
         stats = alloc.stats()
         peak_requested, peak_reserved = stats.peak_requested_bytes, stats.peak_reserved_bytes
         g = dev.granularity
@@ -512,7 +669,7 @@ def _bisect(source, kind, granularity, options, max_probes, reference, progress=
 def replay(trace=None, allocators=ALLOCATOR_KINDS, *, capacity=None, granularity=None,
            chunk_size=None, max_split_size=None, policy=None, steal_before_create=None,
            remap_slack=None, min_capacity=True, max_probes=MAX_PROBES, timeline_points=2048, progress=False, format=None,
-           device=0, before_window="drop", name=None):
+           device="auto", before_window="auto", name=None):
     """Replays one trace through each allocator; returns a list of :class:`ReplayResult`.
 
     ``trace`` is a path, a trace object, an array of events, a :class:`TraceSource`, or None
@@ -522,6 +679,20 @@ def replay(trace=None, allocators=ALLOCATOR_KINDS, *, capacity=None, granularity
     searched too, in at most ``max_probes`` replays (see :func:`min_capacity`). The other
     arguments are those of :func:`replay_once`.
     """
+    if progress:
+        with reading_progress():
+            return _replay(trace, allocators, capacity, granularity, chunk_size,
+                           max_split_size, policy, steal_before_create, remap_slack,
+                           min_capacity, max_probes, timeline_points, progress, format, device,
+                           before_window, name)
+    return _replay(trace, allocators, capacity, granularity, chunk_size, max_split_size,
+                   policy, steal_before_create, remap_slack, min_capacity, max_probes,
+                   timeline_points, progress, format, device, before_window, name)
+
+
+def _replay(trace, allocators, capacity, granularity, chunk_size, max_split_size, policy,
+            steal_before_create, remap_slack, min_capacity, max_probes, timeline_points,
+            progress, format, device, before_window, name):
     source = _source(trace, format=format, device=device, before_window=before_window,
                      name=name)
     if isinstance(allocators, str) or callable(allocators):
@@ -546,7 +717,7 @@ def replay(trace=None, allocators=ALLOCATOR_KINDS, *, capacity=None, granularity
             result.min_capacity_exact = exact
             result.min_capacity_probes = probes
         results.append(result)
-    return results
+    return _add_trace_facts(source, results)
 
 
 def format_table(results):
@@ -555,7 +726,7 @@ def format_table(results):
         ("events replayed", lambda r: f"{r.events:,}" + ("" if r.completed else " (stopped)")),
         ("peak requested", lambda r: format_size(r.peak_requested_bytes)),
         ("peak reserved", lambda r: format_size(r.peak_reserved_bytes)),
-        ("utilization", lambda r: f"{r.utilization:.3f}"),
+        ("utilization", lambda r: "-" if r.utilization is None else f"{r.utilization:.3f}"),
         ("peak internal fragmentation",
          lambda r: format_size(r.peak_internal_fragmentation_bytes)),
         ("peak live allocations", lambda r: f"{r.peak_live_allocations:,}"),
@@ -575,23 +746,119 @@ def format_table(results):
     for trace in traces:
         group = [r for r in results if r.trace == trace]
         header = trace
+        notes = []
+        if group[0].device is not None:
+            notes.append(group[0].device)
         if group[0].capacity_bytes is not None:
-            header += f" (capacity {format_size(group[0].capacity_bytes)})"
+            notes.append(f"capacity {format_size(group[0].capacity_bytes)}")
+        if notes:
+            header += f" ({', '.join(notes)})"
         table = [[""] + [r.allocator for r in group]]
         table += [[label] + [fmt(r) for r in group] for label, fmt in rows]
+        recorded = _recorded_column(group[0], [label for label, _ in rows])
+        if recorded:
+            # What PyTorch itself reserved, as its profiler recorded: the allocator the trace
+            # ran under, next to what each replayed allocator would reserve.
+            table[0].append("pytorch (recorded)")
+            for row, cell in zip(table[1:], recorded):
+                row.append(cell)
+
         widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
         lines = [header]
         for row in table:
             lines.append("  " + "  ".join(
                 cell.ljust(widths[0]) if i == 0 else cell.rjust(widths[i])
                 for i, cell in enumerate(row)).rstrip())
+        note = before_window_note(group[0])
+        if note:
+            lines.append("  " + note)
         blocks.append("\n".join(lines))
+    if len(traces) > 1:
+        blocks.append(format_summary(results))
     return "\n\n".join(blocks)
+
+
+def format_summary(results):
+    """The traces side by side (the ranks of one job, say): one row per trace, its peak
+    requested bytes, then each allocator's peak reserved bytes and utilization, and PyTorch's
+    recorded ones when a profiler trace has them."""
+    traces = list(dict.fromkeys(r.trace for r in results))
+    kinds = list(dict.fromkeys(r.allocator for r in results))
+    by = {(r.trace, r.allocator): r for r in results}
+    header = ["trace", "device", "peak requested"] + [f"{k} reserved (util.)" for k in kinds]
+    recorded = any(r.recorded_peak_reserved_bytes is not None for r in results)
+    if recorded:
+        header.append("pytorch reserved (util.)")
+    table = [header]
+    for trace in traces:
+        group = [r for r in results if r.trace == trace]
+        row = [trace, group[0].device or "-",
+               format_size(max(r.peak_requested_bytes for r in group))]
+        for k in kinds:
+            r = by.get((trace, k))
+            if r is None:
+                row.append("-")
+                continue
+            util = "-" if r.utilization is None else f"{r.utilization:.3f}"
+            stopped = "" if r.completed else ", stopped"
+            row.append(f"{format_size(r.peak_reserved_bytes)} ({util}{stopped})")
+        if recorded:
+            r = group[0]
+            if r.recorded_peak_reserved_bytes is None:
+                row.append("-")
+            else:
+                util = "-"
+                if r.recorded_peak_allocated_bytes is not None and r.recorded_peak_reserved_bytes:
+                    util = (f"{r.recorded_peak_allocated_bytes / r.recorded_peak_reserved_bytes:.3f}")
+                row.append(f"{format_size(r.recorded_peak_reserved_bytes)} ({util})")
+        table.append(row)
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = ["side by side"]
+    for row in table:
+        lines.append("  " + "  ".join(
+            cell.ljust(widths[i]) if i < 2 else cell.rjust(widths[i])
+            for i, cell in enumerate(row)).rstrip())
+    return "\n".join(lines)
+
+
+def before_window_note(r):
+    """One line on the memory a trace frees without allocating it (None when it frees none
+    or it is unknown)."""
+    if r.unmatched_frees is None:
+        return None
+    text = (f"frees of memory the trace never allocated: {r.unmatched_frees:,} "
+            f"({format_size(r.unmatched_free_bytes)})")
+    if r.before_window == "live":
+        if not r.live_before_window_bytes:
+            return text if r.unmatched_frees else None
+        return (text + f"; {format_size(r.live_before_window_bytes)} live before the trace "
+                "began, replayed as allocated from the start")
+    if not r.unmatched_frees:
+        return None
+    return text + "; dropped (--before-window live replays that memory from the start)"
+
+
+def _recorded_column(r, labels):
+    """The cells of the "pytorch (recorded)" column for rows ``labels``, or None when the
+    trace recorded no counters."""
+    if r.recorded_peak_reserved_bytes is None:
+        return None
+    cells = {"peak reserved": format_size(r.recorded_peak_reserved_bytes)}
+    if r.recorded_peak_allocated_bytes is not None:
+        cells["peak requested"] = format_size(r.recorded_peak_allocated_bytes)
+        if r.recorded_peak_reserved_bytes:
+            cells["utilization"] = (
+                f"{r.recorded_peak_allocated_bytes / r.recorded_peak_reserved_bytes:.3f}")
+    return [cells.get(label, "") for label in labels]
 
 
 def _format_min_capacity(r):
     if r.min_capacity_bytes is None:
-        return "none found" if r.min_capacity_probes else "-"
+        if r.min_capacity_exact is None:
+            return "-"  # not searched
+        if not r.completed and r.capacity_bytes is None:
+            return "none (refused even unlimited)"
+        return "none found"
     text = format_size(r.min_capacity_bytes)
     return text if r.min_capacity_exact else text + " (upper bound)"
 

@@ -65,6 +65,13 @@ class Device {
   // --- streams and events ---
   virtual stream_t create_stream() = 0;
   virtual void destroy_stream(stream_t stream) = 0;
+  // Throws InvalidArgument naming `caller` when `stream` was destroyed on this device: every
+  // allocator refuses to allocate or free on such a stream (one rule for all). The default
+  // knows of no destroyed stream (a real driver's handle may be reused: not checkable).
+  virtual void check_stream_alive(stream_t stream, const char* caller) const {
+    (void)stream;
+    (void)caller;
+  }
   // Events are for synchronization only (CU_EVENT_DISABLE_TIMING).
   virtual event_t create_event() = 0;
   virtual void destroy_event(event_t event) = 0;

@@ -87,6 +87,7 @@ class HostDevice : public Device {
   // `non_blocking`: like CU_STREAM_NON_BLOCKING, no implicit ordering with stream 0.
   stream_t create_stream(bool non_blocking);
   void destroy_stream(stream_t stream) override;
+  void check_stream_alive(stream_t stream, const char* caller) const override;
   event_t create_event() override;
   void destroy_event(event_t event) override;
   void record_event(event_t event, stream_t stream) override;

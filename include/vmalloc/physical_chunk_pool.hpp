@@ -19,6 +19,13 @@
 
 namespace vmalloc {
 
+// The most chunks one pool holds at once, whatever the device's capacity: every chunk costs
+// bookkeeping in the pool, the allocator and the device (a few hundred bytes and a few
+// microseconds), so a request for more (2 TiB of 2 MiB chunks; the largest GPUs hold under
+// 2**18 such chunks) is refused at once with OutOfMemory instead of building gigabytes of
+// books for minutes. Counted by creatable_chunks(), so allocators refuse before any work.
+inline constexpr std::size_t max_pool_chunks = std::size_t{1} << 20;
+
 struct ChunkPoolStats {
   std::size_t chunk_size = 0;
   std::size_t budget_bytes = 0;      // 0 = no budget (the device's capacity is the limit)
@@ -60,8 +67,9 @@ class PhysicalChunkPool {
   // Releases every cached chunk to the device; returns the bytes released.
   std::size_t release_cached();
 
-  // How many more chunks create() may succeed for: the budget's headroom, and the device's
-  // when it has a capacity (an estimate: other users of the device may take memory first).
+  // How many more chunks create() may succeed for: the budget's headroom, max_pool_chunks's,
+  // and the device's when it has a capacity (an estimate: other users of the device may take
+  // memory first).
   std::size_t creatable_chunks() const;
 
   std::size_t chunk_size() const noexcept { return chunk_size_; }

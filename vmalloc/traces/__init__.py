@@ -10,7 +10,7 @@ from vmalloc.traces.builtin import builtin_traces
 from vmalloc.traces.convert import convert
 from vmalloc.traces.events import ALLOC, BATCH_EVENTS, EVENT_DTYPE, FREE
 from vmalloc.traces.info import TraceInfo
-from vmalloc.traces.reader import FORMATS, Trace, detect_format, open_trace
+from vmalloc.traces.reader import FORMATS, Trace, detect_format, open_trace, trace_devices
 from vmalloc.traces.vmtrace import VmtraceWriter
 
 __all__ = [
@@ -27,4 +27,5 @@ __all__ = [
     "convert",
     "detect_format",
     "open_trace",
+    "trace_devices",
 ]

@@ -17,7 +17,11 @@ import numpy as np
 
 from vmalloc.traces.events import ALLOC, BATCH_EVENTS, EVENT_DTYPE
 
-BEFORE_WINDOW_CHOICES = ("drop", "live")
+BEFORE_WINDOW_CHOICES = ("auto", "drop", "live")
+
+#: The formats whose ``before_window="auto"`` means ``"live"``: profiler traces record
+#: PyTorch's allocated total with every event, so what was live before them is known.
+LIVE_BY_DEFAULT = ("kineto",)
 
 
 def make_batch(ops, streams, addrs, sizes):
@@ -72,11 +76,13 @@ def normalized_batches(records, info, live_before=None):
     largest = 0
     n_alloc = n_free = alloc_bytes = 0
 
+    synthetic = set()  # addresses of synthetic ALLOCs not freed yet
     for addr, (stream, size) in (live_before or {}).items():
         if not size:
             info.skip("live before window, size unknown")
             continue
         live[addr] = size
+        synthetic.add(addr)
         streams_seen.add(stream)
         ops.append(ALLOC)
         streams.append(stream)
@@ -103,6 +109,7 @@ def normalized_batches(records, info, live_before=None):
                 continue
             old = live.get(addr)
             if old is not None:
+                synthetic.discard(addr)
                 # The log lost the free of the previous allocation at this address.
                 info.implicit_frees += 1
                 n_free += 1
@@ -134,6 +141,10 @@ def normalized_batches(records, info, live_before=None):
             if size and size != allocated:
                 info.free_size_mismatches += 1
             size = allocated
+            if synthetic and addr in synthetic:
+                synthetic.discard(addr)
+                info.frees_before_window += 1
+                info.free_before_window_bytes += size
             n_free += 1
             live_bytes -= size
         if stream not in streams_seen:

@@ -36,6 +36,10 @@ class TraceInfo:
         synthetic_allocs: ALLOC events added at the start for memory live before the window
             (``before_window="live"`` only).
         synthetic_alloc_bytes: their total size.
+        frees_before_window: frees in the trace of memory allocated before it (frees of the
+            synthetic ALLOCs; ``before_window="live"`` only: with ``"drop"`` they are
+            ``unmatched_frees``).
+        free_before_window_bytes: their total size.
         implicit_frees: FREE events added because an address was allocated again while live
             (the log lost its free).
         free_size_mismatches: frees naming a size other than the allocation's (the
@@ -64,6 +68,8 @@ class TraceInfo:
     unmatched_free_bytes: int = 0
     synthetic_allocs: int = 0
     synthetic_alloc_bytes: int = 0
+    frees_before_window: int = 0
+    free_before_window_bytes: int = 0
     implicit_frees: int = 0
     free_size_mismatches: int = 0
     skipped: Dict[str, int] = field(default_factory=dict)

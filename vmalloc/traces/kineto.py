@@ -9,11 +9,16 @@ Memory events carry no stream: every event is on stream 0.
 """
 
 from vmalloc.errors import TraceFormatError
-from vmalloc.traces._fields import device_name, u64
+from vmalloc.traces._fields import AUTO, NoDeviceEventsError, device_name, only_gpu_device, u64
 from vmalloc.traces._files import open_text
 from vmalloc.traces._json_stream import JsonEventScanner
+from vmalloc.traces._normalize import scan_before_window
 from vmalloc.traces._record_reader import RecordReaderPass
 from vmalloc.traces.events import ALLOC, FREE
+
+#: The trace address of the synthetic block holding the memory live before the window that
+#: no event mentions (PyTorch's addresses are 512-byte aligned and far below it).
+LIVE_BEFORE_ADDR = (1 << 64) - (1 << 12)
 
 #: c10::DeviceType values.
 DEVICE_TYPES = {"cpu": 0, "cuda": 1}
@@ -33,11 +38,60 @@ class KinetoReader(RecordReaderPass):
 
     def __init__(self, path, kind, index):
         self.path = path
+        self.metadata = {}
+        self.skipped = {}
+        if kind == AUTO:
+            # The trace's only GPU device (a rank of a multi-GPU job records its own): one
+            # pass over the file to find it.
+            name = only_gpu_device(self.devices(), path)
+            kind, index = "cuda", int(name.split(":")[1])
         self.kind = kind
         self.index = index
         self.device_type = DEVICE_TYPES[kind]
-        self.metadata = {}
-        self.skipped = {}
+        #: The device whose events are read, as ``"cuda:N"`` or ``"cpu"``.
+        self.device = device_name(kind, index)
+
+    def live_before(self):
+        """Memory allocated before the trace's first event, for ``before_window="live"``: each
+        address freed without being allocated in the trace (with the size its free names),
+        then, as one block at :data:`LIVE_BEFORE_ADDR`, the rest of what PyTorch's ``Total
+        Allocated`` counter says was allocated before the first event (memory live through
+        the whole window, weights say, that no event mentions)."""
+        before = scan_before_window(self.records())
+        total = self.metadata.get("allocated_before_window_bytes") or 0
+        rest = total - sum(size for _, size in before.values())
+        if rest > 0 and LIVE_BEFORE_ADDR not in before:
+            before[LIVE_BEFORE_ADDR] = (0, rest)
+        return before
+
+    def devices(self):
+        """``{device: memory events}`` of the whole trace (``"cuda:1"``, ``"cpu"``, ...), in
+        device order: one pass over the file."""
+        counts = {}
+        with open_text(self.path) as text:
+            for line, event in JsonEventScanner(text, self.path).events():
+                if not isinstance(event, dict):
+                    raise TraceFormatError("a trace event is not a JSON object", self.path, line)
+                if event.get("name") != "[memory]":
+                    continue
+                args = event.get("args")
+                if not isinstance(args, dict):
+                    raise TraceFormatError("[memory] event without an 'args' object", self.path, line)
+                device_type = args.get("Device Type")
+                device_id = args.get("Device Id", 0)
+                if type(device_type) is not int or type(device_id) is not int:
+                    raise TraceFormatError(
+                        "[memory] event without integer 'Device Type' and 'Device Id'",
+                        self.path, line)
+                key = (device_type, device_id)
+                counts[key] = counts.get(key, 0) + 1
+        if not counts:
+            raise TraceFormatError(
+                "the trace has no '[memory]' events: profile with "
+                "torch.profiler.profile(profile_memory=True)",
+                self.path,
+            )
+        return {_device_label(t, i): n for (t, i), n in sorted(counts.items())}
 
     def records(self):
         """``(op, stream, addr, size)`` for each memory event of the device, in file order."""
@@ -50,6 +104,10 @@ class KinetoReader(RecordReaderPass):
         last_ts = None
         matched = 0
         ooms = 0
+        # PyTorch's own counters after each event of the device: bytes allocated (the sum of
+        # its live blocks) and reserved (its segments).
+        before_window = None  # allocated before the first event: Total Allocated - Bytes
+        peak_allocated = peak_reserved = None
         with open_text(path) as text:
             scanner = JsonEventScanner(text, path)
             for line, event in scanner.events():
@@ -85,6 +143,15 @@ class KinetoReader(RecordReaderPass):
                         out_of_order += 1
                     last_ts = ts
                 matched += 1
+                allocated = args.get("Total Allocated")
+                if type(allocated) is int:
+                    if before_window is None:
+                        before_window = max(0, allocated - nbytes)
+                    if peak_allocated is None or allocated > peak_allocated:
+                        peak_allocated = allocated
+                reserved = args.get("Total Reserved")
+                if type(reserved) is int and (peak_reserved is None or reserved > peak_reserved):
+                    peak_reserved = reserved
                 if nbytes > 0:
                     yield ALLOC, 0, addr, nbytes
                 elif nbytes < 0:
@@ -98,6 +165,11 @@ class KinetoReader(RecordReaderPass):
             _device_label(t, i): n for (t, i), n in sorted(devices.items())
         }
         self.metadata["memory_events_out_of_time_order"] = out_of_order
+        # PyTorch's counters as recorded (None when the trace lacks them): what it actually
+        # allocated and reserved at its peak, and what was allocated before the first event.
+        self.metadata["recorded_peak_allocated_bytes"] = peak_allocated
+        self.metadata["recorded_peak_reserved_bytes"] = peak_reserved
+        self.metadata["allocated_before_window_bytes"] = before_window
         if ooms:
             self.skipped["oom"] = ooms
         if not devices:
@@ -107,10 +179,4 @@ class KinetoReader(RecordReaderPass):
                 path,
             )
         if not matched:
-            wanted = device_name(self.kind, self.index)
-            found = ", ".join(self.metadata["memory_events_by_device"])
-            raise TraceFormatError(
-                f"no memory events for device {wanted}; the trace has events for {found}"
-                + (" (pass device='cpu')" if any(t == 0 for t, _ in devices) else ""),
-                path,
-            )
+            raise NoDeviceEventsError(self.device, self.metadata["memory_events_by_device"], path)

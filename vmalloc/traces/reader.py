@@ -5,14 +5,14 @@ import os
 import numpy as np
 
 from vmalloc.errors import InvalidArgumentError, TraceFormatError
-from vmalloc.traces._fields import device_name, parse_device
+from vmalloc.traces._fields import AUTO, device_name, parse_device
 from vmalloc.traces._files import head
-from vmalloc.traces._normalize import BEFORE_WINDOW_CHOICES, normalized_batches
+from vmalloc.traces._normalize import BEFORE_WINDOW_CHOICES, LIVE_BY_DEFAULT, normalized_batches
 from vmalloc.traces.events import EVENT_DTYPE
 from vmalloc.traces.info import TraceInfo
 from vmalloc.traces.kineto import KinetoReader
 from vmalloc.traces.rmm_csv import RmmCsvReader
-from vmalloc.traces.torch_snapshot import PICKLE_MAGIC, TorchSnapshotReader
+from vmalloc.traces.torch_snapshot import PICKLE_MAGIC, TorchSnapshotReader, load_snapshot
 from vmalloc.traces.vmtrace import MAGIC as VMTRACE_MAGIC
 from vmalloc.traces.vmtrace import VmtraceReader
 
@@ -92,7 +92,7 @@ class Trace:
     held whole).
     """
 
-    def __init__(self, path, format=None, device=0, before_window="drop"):
+    def __init__(self, path, format=None, device=AUTO, before_window="auto"):
         self.path = os.fspath(path)
         if before_window not in BEFORE_WINDOW_CHOICES:
             raise InvalidArgumentError(
@@ -102,11 +102,15 @@ class Trace:
         kind, index = parse_device(device)
         #: The format name (``"torch_snapshot"``, ``"kineto"``, ``"rmm_csv"``, ``"vmtrace"``).
         self.format = detect_format(self.path) if format is None else _format_name(format)
-        #: The device whose events are read, as ``"cuda:N"`` or ``"cpu"``.
-        self.device = device_name(kind, index)
+        if before_window == "auto":
+            before_window = "live" if self.format in LIVE_BY_DEFAULT else "drop"
         #: ``"drop"`` or ``"live"``: see :func:`open_trace`.
         self.before_window = before_window
         self._reader = _READERS[self.format](self.path, kind, index)
+        #: The device whose events are read, as ``"cuda:N"`` or ``"cpu"`` (with ``"auto"``,
+        #: the one the trace has; formats of one device say ``"cuda:0"``).
+        self.device = getattr(self._reader, "device", None) or (
+            "cuda:0" if kind == AUTO else device_name(kind, index))
         self._info = self._new_info()
         if self._reader.direct:
             self._info.events = self._reader.header["events"]
@@ -161,7 +165,22 @@ class Trace:
         return f"<Trace {self.format} {self.path!r} device={self.device}>"
 
 
-def open_trace(path, format=None, device=0, before_window="drop"):
+def trace_devices(path, format=None):
+    """``{device: memory events}`` of a trace that holds several devices (a profiler trace:
+    ``{"cpu": 91, "cuda:1": 5120}``; a snapshot: the devices with a history), or None for the
+    formats of one device (RMM logs, ``.vmtrace``). Reads a profiler trace once."""
+    format = detect_format(path) if format is None else _format_name(format)
+    path = os.fspath(path)
+    if format == "kineto":
+        reader = KinetoReader.__new__(KinetoReader)
+        reader.path = path
+        return reader.devices()
+    if format == "torch_snapshot":
+        return TorchSnapshotReader._devices(load_snapshot(path)["device_traces"])
+    return None
+
+
+def open_trace(path, format=None, device=AUTO, before_window="auto"):
     """Opens an allocation trace for replay.
 
     Args:
@@ -169,9 +188,11 @@ def open_trace(path, format=None, device=0, before_window="drop"):
             (``.json`` or ``.json.gz``), an RMM logging CSV, or a ``.vmtrace``.
         format: ``"torch_snapshot"``, ``"kineto"``, ``"rmm_csv"`` or ``"vmtrace"``; None
             detects it from the file's first bytes (then its name).
-        device: whose events to read where the trace holds several: a CUDA ordinal (``0``),
-            ``"cuda:N"``, or ``"cpu"`` (profiler traces of CPU runs). RMM logs and
-            ``.vmtrace`` files hold one device and ignore it.
+        device: whose events to read where the trace holds several: ``"auto"`` (the
+            default: the trace's only GPU device, as in the trace of one rank of a multi-GPU
+            job; an error naming the devices when it has none or several), a CUDA ordinal
+            (``0``), ``"cuda:N"``, or ``"cpu"`` (profiler traces of CPU runs). RMM logs and
+            ``.vmtrace`` files hold one device and ignore it. See :func:`trace_devices`.
         before_window: what to do with memory allocated before the trace's window (a
             snapshot's ring buffer dropped its allocation, or recording started late), seen
             as frees of addresses the trace never allocated: ``"drop"`` (the default) drops

@@ -15,7 +15,7 @@ import zlib
 
 from vmalloc.errors import TraceFormatError
 from vmalloc.traces._fields import U64_MAX
-from vmalloc.traces._files import open_text
+from vmalloc.traces._files import bounded_lines, open_text
 from vmalloc.traces._record_reader import RecordReaderPass
 from vmalloc.traces.events import ALLOC, FREE
 
@@ -76,7 +76,8 @@ class RmmCsvReader(RecordReaderPass):
         path = self.path
         self.skipped = {}  # counts of this pass only (a before_window="live" scan is another)
         with open_text(path) as text:
-            rows = csv.reader(text, strict=True)
+            # Lines are read with a bound (a file without newlines is refused, not read whole).
+            rows = csv.reader(bounded_lines(text, path), strict=True)
             try:
                 header = next(rows, None)
                 if header is None:

@@ -23,13 +23,17 @@ import pickle
 import zlib
 
 from vmalloc.errors import InvalidArgumentError, TraceFormatError
-from vmalloc.traces._fields import u64
-from vmalloc.traces._files import open_binary
+from vmalloc.traces._fields import AUTO, only_gpu_device, u64
+from vmalloc.traces._files import CappedReader, open_binary
 from vmalloc.traces._normalize import scan_before_window
 from vmalloc.traces.events import ALLOC, FREE
 
 #: The first bytes of a pickle of protocol 2 or later (what torch writes).
 PICKLE_MAGIC = b"\x80"
+
+#: A snapshot (decompressed) larger than this is refused: the pickle is unpickled whole, and
+#: real snapshots (a ring buffer of at most a few 100,000 entries) are well below it.
+MAX_SNAPSHOT_BYTES = 2 << 30
 
 _LIVE_BLOCK_STATES = ("active_allocated", "active_pending_free", "active_awaiting_free")
 
@@ -44,18 +48,36 @@ class _NoClassesUnpickler(pickle.Unpickler):
         )
 
 
-def load_snapshot(path, data=None):
-    """The snapshot dict of the pickle at ``path`` (or of the bytes ``data``)."""
-    if data is None:
-        with open_binary(path) as f:
-            try:
-                data = f.read()
-            except (OSError, EOFError, zlib.error) as error:  # a corrupt .gz
-                raise TraceFormatError(f"cannot read: {error}", path) from None
+def load_snapshot(path, data=None, limit=None):
+    """The snapshot dict of the pickle at ``path`` (or of the bytes ``data``).
+
+    The file is unpickled as it is read (a .gz decompressed block by block), through a reader
+    that refuses to pass ``limit`` bytes (default :data:`MAX_SNAPSHOT_BYTES`): garbage stops at
+    its first bad opcode and a gzip bomb at the limit, without reading the file whole.
+    """
+    limit = MAX_SNAPSHOT_BYTES if limit is None else limit
+    if data is not None:
+        return _unpickle(io.BytesIO(data), path)
+    with open_binary(path) as f:
+        return _unpickle(CappedReader(f, limit, path, "the snapshot"), path)
+
+
+def _unpickle(f, path):
     try:
-        snapshot = _NoClassesUnpickler(io.BytesIO(data)).load()
+        snapshot = _NoClassesUnpickler(f).load()
+    except TraceFormatError:
+        raise
+    except (OSError, EOFError, zlib.error) as error:  # a corrupt .gz, a truncated pickle
+        if isinstance(error, EOFError) or getattr(error, "errno", None) is None:
+            raise TraceFormatError(
+                f"not a PyTorch memory snapshot: cannot read ({type(error).__name__}: "
+                f"{error})", path) from None
+        raise
     except RecursionError:
         raise TraceFormatError("not a PyTorch memory snapshot: pickle nested too deeply", path)
+    except MemoryError:
+        raise TraceFormatError(
+            "not a PyTorch memory snapshot: unpickling it runs out of memory", path) from None
     except Exception as error:  # pickle reports corruption with many exception types
         raise TraceFormatError(
             f"not a PyTorch memory snapshot: cannot unpickle ({type(error).__name__}: "
@@ -86,13 +108,18 @@ class TorchSnapshotReader:
     direct = False  # events go through the normalizer
 
     def __init__(self, path, kind, index):
-        if kind != "cuda":
+        if kind not in ("cuda", AUTO):
             raise InvalidArgumentError(
                 f"a PyTorch memory snapshot holds CUDA devices only, not {kind!r}"
             )
         self.path = path
         snapshot = load_snapshot(path)
         traces = snapshot["device_traces"]
+        if kind == AUTO:
+            # The only device with a history (a rank's snapshot lists the others empty).
+            index = int(only_gpu_device(self._devices(traces), path).split(":")[1])
+        #: The device whose events are read, ``"cuda:N"``.
+        self.device = f"cuda:{index}"
         if index >= len(traces):
             raise TraceFormatError(
                 f"the snapshot has no device {index}: it records "
@@ -104,11 +131,21 @@ class TorchSnapshotReader:
             raise TraceFormatError(f"device_traces[{index}] is not a list", path)
         self.index = index
         self.entries = entries
+        self._all_traces = traces
         self.segments = snapshot.get("segments") or []
         if not isinstance(self.segments, list):
             raise TraceFormatError("'segments' is not a list", path)
         self._effective_requests = self._free_requests_without_completion()
         self.metadata = self._metadata(snapshot)
+
+    @staticmethod
+    def _devices(traces):
+        counts = {f"cuda:{i}": len(t) for i, t in enumerate(traces) if isinstance(t, list) and t}
+        return counts or ({"cuda:0": 0} if traces else {})
+
+    def devices(self):
+        """``{device: history entries}`` of the devices with a history."""
+        return self._devices(self._all_traces)
 
     def _entry(self, i):
         entry = self.entries[i]

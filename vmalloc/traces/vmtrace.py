@@ -55,6 +55,9 @@ MAX_METADATA_BYTES = 1 << 20
 #: Events per zlib block (at most).
 BLOCK_EVENTS = BATCH_EVENTS
 RECORD_BYTES = EVENT_DTYPE.itemsize
+#: The largest compressed block a writer can produce (zlib's bound for 25 bytes an event), with
+#: room to spare: a block header claiming more is corrupt, and is not read.
+_MAX_BLOCK_BYTES = 25 * BLOCK_EVENTS + (25 * BLOCK_EVENTS >> 8) + 1024
 _FILE_DTYPE = EVENT_DTYPE.newbyteorder("<")
 _NATIVE_LITTLE = sys.byteorder == "little"
 
@@ -313,6 +316,10 @@ class VmtraceReader:
                 raise TraceFormatError(
                     f"block {block} is corrupt (bad magic or event count {n})", self.path, record + 1
                 )
+            if size > _MAX_BLOCK_BYTES:
+                raise TraceFormatError(
+                    f"block {block} is corrupt (a compressed size of {size:,} bytes for "
+                    f"{n} events)", self.path, record + 1)
             payload = f.read(size)
             if len(payload) < size:
                 raise TraceFormatError(f"the file ends inside block {block}", self.path, record + 1)

@@ -10,12 +10,14 @@
 // work still runs, as in CUDA: the stream is retired, not waited for.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "vmalloc/detail/stream_worker.hpp"
@@ -63,6 +65,9 @@ class StreamSet {
   void release_hold(std::uint64_t hold, const char* entry);
 
   std::size_t streams() const;  // created ones; the default stream is not counted
+  // Whether `stream` was created and then destroyed here (handles are never reused). Cheap
+  // (no lock) while no stream has been destroyed.
+  bool destroyed(stream_t stream) const;
   std::size_t events() const;
 
   // Called by a faulting item (any thread); kept until reported.
@@ -90,6 +95,8 @@ class StreamSet {
   std::unordered_map<stream_t, std::shared_ptr<StreamWorker>> streams_;
   std::unordered_map<event_t, Event> events_;
   std::vector<std::shared_ptr<StreamWorker>> retired_;  // destroyed with work still queued
+  std::unordered_set<stream_t> destroyed_;               // every stream destroyed so far
+  std::atomic<bool> any_destroyed_{false};
   std::unordered_map<std::uint64_t, std::shared_ptr<Gate>> holds_;
   std::uint64_t next_hold_ = 1;
   std::uintptr_t next_handle_ = 1;
