@@ -15,7 +15,7 @@ from vmalloc.offload.runtime import Runtime
 
 
 def measure(functions, buffers, iterations):
-    dev = vmalloc.HostDevice(capacity="1GiB", backed=False, granularity="2MiB")
+    dev = vmalloc.HostDevice(capacity="1GiB", granularity="2MiB")
     rt = Runtime(vmalloc.VirtualAllocator(dev), scheduler="none", budget="512MiB")
     params = [rt.allocate(1 << 20) for _ in range(buffers)]
     per_iteration = []
