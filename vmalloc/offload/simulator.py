@@ -227,7 +227,9 @@ class _Memory:
         p = self.ptr.pop(v, None)
         if p is None:
             return
-        if swap and self.stable:
+        if swap and self.stable and self.alloc.owns_chunks(p):
+            # Pointer-stable: the chunks go back to the pool, the range stays reserved.
+            # (Small blocks share arena chunks: they relocate, as the SwapManager does.)
             self.alloc.unmap_backing(p)
             self.unmapped[v] = p
         else:
