@@ -173,7 +173,7 @@ def table(model="resnet50", gpu="v100-16gb", batches=None, progress=False):
         # other models: multiples of their own in-core limit
         batches = [max(1, limit // 2), 2 * limit, 4 * limit, 8 * limit, 10 * limit]
     batches = sorted(set(batches or TABLE_BATCHES) | ({limit} if limit else set()))
-    paper = model == "resnet50" and gpu.name == "v100-16gb"
+    paper = model == "resnet50" and gpu.name.startswith("v100-16gb")
     configs = [("window", "caching"), ("window", "virtual"), ("lms", "virtual"),
                ("vdnn", "virtual")]
     rows = []

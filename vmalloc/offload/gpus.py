@@ -113,6 +113,26 @@ GPUS: Dict[str, GPU] = {
         precision="mixed (tensor cores)",
         sources=_V100_SOURCES,
     ),
+    # The same V100 in a 4-GPU POWER9 node: 2 GPUs per CPU, 3 NVLink bricks each. The link is
+    # the one measurement that differs; with it the simulated window+virtual speed at batch
+    # 1440 lands on the paper's Table 1 figure (docs/benchmarks.md), which suggests the paper's
+    # machine was of this kind.
+    "v100-16gb-3brick": GPU(
+        name="v100-16gb-3brick",
+        memory_bytes=16 * 2**30,
+        peak_flops=125e12,
+        compute_efficiency=V100_EFFICIENCY,
+        hbm_bandwidth=900 * GB,
+        h2d_bandwidth=68 * GB,
+        d2h_bandwidth=68 * GB,
+        bidirectional_bandwidth=68 * GB,
+        function_overhead_seconds=V100_OVERHEAD,
+        link="NVLink 2 to POWER9 (3 bricks)",
+        precision="mixed (tensor cores)",
+        sources=_V100_SOURCES[:2] + (
+            "link 68 GB/s per direction: POWER9 NVLink 2 measured with 2 GPUs per CPU (3 "
+            "bricks) (offload.md, NextPlatform chart)",) + _V100_SOURCES[3:],
+    ),
     "a100-40gb": GPU(
         name="a100-40gb",
         memory_bytes=40 * 2**30,

@@ -196,8 +196,13 @@ def max_batch(model, gpu="v100-16gb", scheduler="window", allocator="virtual",
     function ``batch -> sequence``. Returns ``(batch, plan)``; ``(0, None)`` if none fits."""
     fn = _seq_fn(model)
     gpu = get_gpu(gpu)
-    if reference is None and scheduler != "none" and min_relative_speed:
-        _, reference = in_core_reference(fn, gpu)
+    if scheduler != "none" and min_relative_speed:
+        limit, speed = in_core_reference(fn, gpu)
+        if reference is None:
+            reference = speed
+        # Speed rises with the batch up to the in-core limit (fixed per-function costs) and
+        # falls past it (more bytes to move): search upward from the limit, not from 16.
+        start = max(start, limit)
     plans = {}
 
     def ok(b):
