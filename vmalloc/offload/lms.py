@@ -25,7 +25,8 @@ variable without reading it are not swapped (the variable stays allocated).
 from __future__ import annotations
 
 from vmalloc.errors import InvalidArgumentError
-from vmalloc.offload.schedule import Schedule, Step
+from vmalloc.offload.in_core import in_core_steps
+from vmalloc.offload.schedule import Schedule
 
 
 def _count(value, what, minimum):
@@ -56,19 +57,14 @@ class LMSScheduler:
 
     def schedule(self, seq) -> Schedule:
         threshold, ahead = self.swapout_threshold, self.swapin_ahead
-        steps = [Step() for _ in seq.functions]
+        steps, resident = in_core_steps(seq)
         functions = seq.functions
         uses = seq.uses()
-        resident = []
         for var in seq.variables:
             v = var.id
             u = uses[v]
             if var.persistent:
-                resident.append(v)
                 continue
-            if not u:
-                continue
-            steps[u[0]].allocate.append(v)
             for a, b in zip(u, u[1:]):
                 if b - a >= threshold and v in functions[b].inputs:
                     s = max(a + 1, b - ahead)
@@ -76,7 +72,6 @@ class LMSScheduler:
                     steps[s].wait_swap_out.append(v)
                     steps[s].swap_in.append(v)
                     steps[b].wait_swap_in.append(v)
-            steps[u[-1]].free.append(v)
         return Schedule("lms", steps, params={"swapout_threshold": threshold,
                                               "swapin_ahead": ahead},
                         initial_resident=frozenset(resident))

@@ -22,7 +22,8 @@ freed after their last, as in-core.
 from __future__ import annotations
 
 from vmalloc.errors import InvalidArgumentError
-from vmalloc.offload.schedule import Schedule, Step
+from vmalloc.offload.in_core import in_core_steps
+from vmalloc.offload.schedule import Schedule
 
 
 def forward_end_of(seq) -> int:
@@ -52,19 +53,13 @@ class VDNNScheduler:
         fe = forward_end_of(seq) if self.forward_end is None else min(self.forward_end,
                                                                        len(seq.functions))
         functions = seq.functions
-        steps = [Step() for _ in functions]
+        steps, resident = in_core_steps(seq)
         uses = seq.uses()
-        resident = []
         for var in seq.variables:
             v = var.id
             u = uses[v]
-            if var.persistent:
-                resident.append(v)
+            if var.persistent or not u:
                 continue
-            if not u:
-                continue
-            steps[u[0]].allocate.append(v)
-            steps[u[-1]].free.append(v)
             fwd = [i for i in u if i < fe]
             bwd = [i for i in u if i >= fe]
             if not fwd or not bwd:
