@@ -363,12 +363,13 @@ void PackedVirtualAllocator::steal(std::size_t need, const Reservation* keep,
   for (auto it = reservations_.rbegin(); it != reservations_.rend() && need > 0; ++it) {
     Reservation* r = it->second.get();
     if (r->mapped == 0) continue;
+    Block* cursor = nullptr;  // holes_done's walk: slots go down, so do the blocks it visits
     for (std::size_t s = r->slots; s > 0 && need > 0;) {
       --s;
-      if (!victim(r, s) || (!wait && !holes_done(r, s, s))) continue;
+      if (!victim(r, s) || (!wait && !holes_done(r, s, s, cursor))) continue;
       std::size_t lo = s;
       while (lo > 0 && s - lo + 1 < need && victim(r, lo - 1) &&
-             (wait || holes_done(r, lo - 1, lo - 1)))
+             (wait || holes_done(r, lo - 1, lo - 1, cursor)))
         --lo;
       if (wait) synchronize_holes(r, lo, s);  // may throw: nothing unmapped for this run
       unmap_slots(r, lo, s, out);   // may throw: same
@@ -390,9 +391,16 @@ void PackedVirtualAllocator::synchronize_holes(Reservation* res, std::size_t fir
     if (b->free && b->end() > lo) order_.synchronize(b->work);
 }
 
-bool PackedVirtualAllocator::holes_done(Reservation* res, std::size_t first, std::size_t last) {
+bool PackedVirtualAllocator::holes_done(Reservation* res, std::size_t first, std::size_t last,
+                                        Block*& cursor) {
   const std::size_t lo = first * chunk_size_, hi = (last + 1) * chunk_size_;
-  for (Block* b = res->first; b != nullptr && b->offset < hi; b = b->next)
+  // Start at the block holding byte `lo`, found from `cursor` (the previous call's start):
+  // calls for descending slots walk the reservation's blocks once in all, not once each.
+  Block* b = cursor != nullptr ? cursor : res->first;
+  while (b->prev != nullptr && b->offset > lo) b = b->prev;
+  while (b->next != nullptr && b->end() <= lo) b = b->next;
+  cursor = b;
+  for (; b != nullptr && b->offset < hi; b = b->next)
     if (b->free && b->end() > lo && !order_.poll(b->work)) return false;
   return true;
 }
