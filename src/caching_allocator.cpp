@@ -192,7 +192,14 @@ device_ptr CachingAllocator::allocate(std::size_t nbytes, stream_t stream) {
       throw OutOfMemory(message, nbytes, state);
     }
   }
-  if (should_split(*block, rounded)) split(block, rounded);
+  if (should_split(*block, rounded)) {
+    try {
+      split(block, rounded);  // strongly exception-safe: the block is as it was on a throw
+    } catch (...) {
+      return_to_pool(block);  // it left the pool above: put it back rather than lose it
+      throw;
+    }
+  }
 
   block->allocated = true;
   block->requested = nbytes;
@@ -259,12 +266,19 @@ CachingAllocator::Block* CachingAllocator::create_segment(std::size_t size, bool
 
 void CachingAllocator::split(Block* block, std::size_t rounded) {
   // The request takes the front; the rest stays cached (PyTorch's alloc_found_block).
+  // Allocate first (the list node, the pool's set node), mutate `block` last, so that a
+  // bad_alloc leaves everything as it was.
   Segment* s = block->segment;
   auto rest_it = s->blocks.emplace(std::next(block->self), block->ptr + rounded,
                                    block->size - rounded, block->stream, block->pool_stream, s);
   rest_it->self = rest_it;
+  try {
+    pool_of(*s).insert(&*rest_it);
+  } catch (...) {
+    s->blocks.erase(rest_it);
+    throw;
+  }
   block->size = rounded;
-  pool_of(*s).insert(&*rest_it);
 }
 
 // ---- freeing cache ----
