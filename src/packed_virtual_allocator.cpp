@@ -96,6 +96,7 @@ PackedVirtualAllocator::~PackedVirtualAllocator() {
 // allocate
 
 device_ptr PackedVirtualAllocator::allocate(std::size_t nbytes, stream_t stream) {
+  stream = detail::stream_key(stream);  // CU_STREAM_PER_THREAD: one stream per thread
   if (nbytes == 0) return 0;  // PyTorch's and CuPy's convention: null, nothing counted
   if (nbytes > max_request_bytes)
     throw InvalidArgument("PackedVirtualAllocator.allocate: request of " +
@@ -452,6 +453,7 @@ std::size_t PackedVirtualAllocator::unmapped_in(const Reservation* res, std::siz
 // deallocate
 
 void PackedVirtualAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t stream) {
+  stream = detail::stream_key(stream);
   if (ptr == 0) return;
   std::lock_guard<std::mutex> lock(mutex_);
   const std::size_t slot = live_.find_slot(ptr);  // one probe: found here, erased below

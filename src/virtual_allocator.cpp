@@ -69,6 +69,7 @@ VirtualAllocator::~VirtualAllocator() {
 // allocate
 
 device_ptr VirtualAllocator::allocate(std::size_t nbytes, stream_t stream) {
+  stream = detail::stream_key(stream);  // CU_STREAM_PER_THREAD: one stream per thread
   if (nbytes == 0) return 0;  // PyTorch's and CuPy's convention: null, nothing counted
   if (nbytes > max_request_bytes)
     throw InvalidArgument("VirtualAllocator.allocate: request of " + std::to_string(nbytes) +
@@ -391,6 +392,7 @@ void VirtualAllocator::drop_reservation_if_empty(Reservation* res) {
 // deallocate
 
 void VirtualAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t stream) {
+  stream = detail::stream_key(stream);
   if (ptr == 0) return;
   std::lock_guard<std::mutex> lock(mutex_);
   const std::size_t slot = live_.find_slot(ptr);  // valid until live_ changes below
