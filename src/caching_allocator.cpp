@@ -105,6 +105,7 @@ CachingAllocator::~CachingAllocator() {
   } catch (...) {
   }
   segments_.clear();  // each SegmentMemory frees itself
+  leftovers_.clear();
 }
 
 // ---- the policy's rules ----
@@ -247,10 +248,19 @@ CachingAllocator::Block* CachingAllocator::create_segment(std::size_t size, bool
                                                           stream_t stream) {
   if (options_.budget != 0 && stats_.reserved_bytes + size > options_.budget) return nullptr;
   std::unique_ptr<Segment> segment;
+  const std::size_t leftovers_before = leftovers_.size();
+  auto count_leftovers = [&]() noexcept {
+    for (std::size_t i = leftovers_before; i < leftovers_.size(); ++i)
+      if (leftovers_[i]->created()) stats_.reserved_bytes += leftovers_[i]->size();
+  };
   try {
-    segment = std::make_unique<Segment>(*device_, size, small, stream);
+    segment = std::make_unique<Segment>(*device_, size, small, stream, &leftovers_);
   } catch (const OutOfMemory&) {
+    count_leftovers();
     return nullptr;  // the device is full: the caller frees cache and retries
+  } catch (...) {
+    count_leftovers();
+    throw;
   }
   Segment* s = segment.get();
   const device_ptr ptr = s->memory.ptr();
@@ -321,6 +331,7 @@ bool CachingAllocator::release_oversize_blocks(detail::BlockPool& pool, stream_t
 }
 
 std::size_t CachingAllocator::release_all_free_segments() {
+  free_leftovers();
   // PyTorch's release_cached_blocks: first let frees waiting for other streams complete.
   pending_.synchronize_all([this](Block* b) { return_to_pool(b); });
   ++cache_flushes_;
@@ -338,7 +349,23 @@ std::size_t CachingAllocator::release_segments(const std::vector<Segment*>& segm
   std::size_t released = 0;
   for (Segment* s : segments) {
     Block* b = &s->blocks.front();
-    s->memory.free();  // may throw DeviceError: the segment then stays cached
+    leftovers_.reserve(leftovers_.size() + 1);  // may throw bad_alloc: nothing changed
+    try {
+      s->memory.free();  // may throw DeviceError: the segment then stays cached
+    } catch (...) {
+      if (s->memory.mapped()) throw;  // nothing freed: still usable, stays cached
+      // Partly freed (unmapped): unusable. What is left is kept as a leftover, counted in
+      // reserved bytes while its physical allocation is held, freed later.
+      const bool created = s->memory.created();
+      const std::size_t size = s->memory.size();
+      const device_ptr ptr = s->memory.ptr();
+      leftovers_.push_back(s->memory.hand_over());
+      pool_of(*s).erase(b);
+      segments_.erase(ptr);
+      if (!created) stats_.reserved_bytes -= size;
+      ++segments_released_;
+      throw;
+    }
     pool_of(*s).erase(b);
     const std::size_t size = s->memory.size();
     segments_.erase(s->memory.ptr());
@@ -352,6 +379,23 @@ std::size_t CachingAllocator::release_segments(const std::vector<Segment*>& segm
 std::size_t CachingAllocator::release_cached() {
   std::lock_guard<std::mutex> lock(mutex_);
   return release_all_free_segments();
+}
+
+void CachingAllocator::free_leftovers() noexcept {
+  // Memory left by a failed segment creation whose rollback failed: retry freeing it (it was
+  // never handed out, so no work uses it).
+  for (auto it = leftovers_.begin(); it != leftovers_.end();) {
+    const bool created = (*it)->created();
+    try {
+      (*it)->free();
+    } catch (...) {
+      if (created && !(*it)->created()) stats_.reserved_bytes -= (*it)->size();
+      ++it;
+      continue;
+    }
+    if (created) stats_.reserved_bytes -= (*it)->size();
+    it = leftovers_.erase(it);
+  }
 }
 
 // ---- deallocate ----

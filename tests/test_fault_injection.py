@@ -281,9 +281,6 @@ def test_a_failing_rollback_leaks_nothing(make_allocator, emu, scenario, fault):
     allocator works on, and destroying it leaves the emulated GPU empty."""
     capacity, warm_up, operation = DOUBLE_SCENARIOS[scenario]
     name, k, rollback = fault
-    if make_allocator(vmalloc.HostDevice(capacity="2MiB")).name == "caching":
-        pytest.xfail("CachingAllocator: SegmentMemory still loses a segment whose rollback "
-                     "fails (not fixed yet)")
     world = World(make_allocator, capacity)
     context = warm_up(world)
     accounting = _accounting(world.allocator)

@@ -38,8 +38,9 @@ struct CachingBlock {
 };
 
 struct CachingSegment {
-  CachingSegment(Device& device, std::size_t size, bool small_, stream_t stream_)
-      : memory(device, size), small(small_), stream(stream_) {}
+  CachingSegment(Device& device, std::size_t size, bool small_, stream_t stream_,
+                 std::vector<std::unique_ptr<SegmentMemory>>* leftovers = nullptr)
+      : memory(device, size, leftovers), small(small_), stream(stream_) {}
 
   SegmentMemory memory;
   bool small;       // which pool its blocks belong to
