@@ -108,6 +108,7 @@ CachingAllocator::~CachingAllocator() {
   } catch (...) {
   }
   segments_.clear();  // each SegmentMemory frees itself
+  leftovers_.clear();
 }
 
 // ---- the policy's rules ----
@@ -201,7 +202,14 @@ device_ptr CachingAllocator::allocate(std::size_t nbytes, stream_t stream) {
       throw OutOfMemory(message, nbytes, state);
     }
   }
-  if (should_split(*block, rounded)) split(block, rounded);
+  if (should_split(*block, rounded)) {
+    try {
+      split(block, rounded);  // strongly exception-safe: the block is as it was on a throw
+    } catch (...) {
+      return_to_pool(block);  // it left the pool above: put it back rather than lose it
+      throw;
+    }
+  }
 
   block->allocated = true;
   block->requested = nbytes;
@@ -261,10 +269,19 @@ CachingAllocator::Block* CachingAllocator::create_segment(std::size_t size, bool
                                                           stream_t stream) {
   if (options_.budget != 0 && stats_.reserved_bytes + size > options_.budget) return nullptr;
   std::unique_ptr<Segment> segment;
+  const std::size_t leftovers_before = leftovers_.size();
+  auto count_leftovers = [&]() noexcept {
+    for (std::size_t i = leftovers_before; i < leftovers_.size(); ++i)
+      if (leftovers_[i]->created()) stats_.reserved_bytes += leftovers_[i]->size();
+  };
   try {
-    segment = std::make_unique<Segment>(*device_, size, small, stream);
+    segment = std::make_unique<Segment>(*device_, size, small, stream, &leftovers_);
   } catch (const OutOfMemory&) {
+    count_leftovers();
     return nullptr;  // the device is full: the caller frees cache and retries
+  } catch (...) {
+    count_leftovers();
+    throw;
   }
   Segment* s = segment.get();
   const device_ptr ptr = s->ptr();
@@ -280,12 +297,19 @@ CachingAllocator::Block* CachingAllocator::create_segment(std::size_t size, bool
 
 void CachingAllocator::split(Block* block, std::size_t rounded) {
   // The request takes the front; the rest stays cached (PyTorch's alloc_found_block).
+  // Allocate first (the list node, the pool's set node), mutate `block` last, so that a
+  // bad_alloc leaves everything as it was.
   Segment* s = block->segment;
   auto rest_it = s->blocks.emplace(std::next(block->self), block->ptr + rounded,
                                    block->size - rounded, block->stream, block->pool_stream, s);
   rest_it->self = rest_it;
+  try {
+    pool_of(*s).insert(&*rest_it);
+  } catch (...) {
+    s->blocks.erase(rest_it);
+    throw;
+  }
   block->size = rounded;
-  pool_of(*s).insert(&*rest_it);
 }
 
 // ---- expandable segments ----
@@ -503,6 +527,7 @@ bool CachingAllocator::release_oversize_blocks(detail::BlockPool& pool, stream_t
 }
 
 std::size_t CachingAllocator::release_all_free_segments() {
+  free_leftovers();
   // PyTorch's release_cached_blocks: first let frees waiting for other streams complete.
   pending_.synchronize_all([this](Block* b) { return_to_pool(b); });
   ++cache_flushes_;
@@ -526,7 +551,23 @@ std::size_t CachingAllocator::release_segments(const std::vector<Segment*>& segm
   std::size_t released = 0;
   for (Segment* s : segments) {
     Block* b = &s->blocks.front();
-    s->memory->free();  // may throw DeviceError: the segment then stays cached
+    leftovers_.reserve(leftovers_.size() + 1);  // may throw bad_alloc: nothing changed
+    try {
+      s->memory->free();  // may throw DeviceError: the segment then stays cached
+    } catch (...) {
+      if (s->memory->mapped()) throw;  // nothing freed: still usable, stays cached
+      // Partly freed (unmapped): unusable. What is left is kept as a leftover, counted in
+      // reserved bytes while its physical allocation is held, freed later.
+      const bool created = s->memory->created();
+      const std::size_t size = s->memory->size();
+      const device_ptr ptr = s->memory->ptr();
+      leftovers_.push_back(s->memory->hand_over());
+      pool_of(*s).erase(b);
+      segments_.erase(ptr);
+      if (!created) stats_.reserved_bytes -= size;
+      ++segments_released_;
+      throw;
+    }
     pool_of(*s).erase(b);
     const std::size_t size = s->size();
     segments_.erase(s->ptr());
@@ -540,6 +581,23 @@ std::size_t CachingAllocator::release_segments(const std::vector<Segment*>& segm
 std::size_t CachingAllocator::release_cached() {
   std::lock_guard<std::mutex> lock(mutex_);
   return release_all_free_segments();
+}
+
+void CachingAllocator::free_leftovers() noexcept {
+  // Memory left by a failed segment creation whose rollback failed: retry freeing it (it was
+  // never handed out, so no work uses it).
+  for (auto it = leftovers_.begin(); it != leftovers_.end();) {
+    const bool created = (*it)->created();
+    try {
+      (*it)->free();
+    } catch (...) {
+      if (created && !(*it)->created()) stats_.reserved_bytes -= (*it)->size();
+      ++it;
+      continue;
+    }
+    if (created) stats_.reserved_bytes -= (*it)->size();
+    it = leftovers_.erase(it);
+  }
 }
 
 // ---- deallocate ----

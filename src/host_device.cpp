@@ -460,9 +460,16 @@ void HostDevice::map(device_ptr ptr, std::size_t size, physical_handle handle) {
          "the range " + range(ptr, size) + " overlaps the mapping at " + hex(overlap->first) +
              " (" + std::to_string(overlap->second.size) + " bytes): unmap it first",
          cu_result::invalid_value);
-  Mapping m{size, handle, {}};
+  // Recorded first, so that a bad_alloc cannot leave pages mapped that nothing tracks; taken
+  // out again if the mapping fails.
+  const auto slot = mappings_.emplace(ptr, Mapping{size, handle, {}}).first;
   if (backed_) {
-    reserve_vmas(m.vmas(), DriverCall::map);
+    try {
+      reserve_vmas(slot->second.vmas(), DriverCall::map);
+    } catch (...) {
+      mappings_.erase(slot);
+      throw;
+    }
     // No access yet: a mapping starts inaccessible, as on the GPU.
     void* at = ::mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE, MAP_SHARED | MAP_FIXED,
                       arena_->fd(), static_cast<off_t>(p->second.offset));
@@ -471,12 +478,12 @@ void HostDevice::map(device_ptr ptr, std::size_t size, physical_handle handle) {
       // A failed MAP_FIXED may have removed the old pages: put the reservation back.
       ::mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE,
              MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
-      return_vmas(m.vmas());
+      return_vmas(slot->second.vmas());
+      mappings_.erase(slot);
       fail(DriverCall::map, "mmap of " + range(ptr, size) + " failed: " + std::strerror(err),
            cu_result::out_of_memory);
     }
   }
-  mappings_.emplace(ptr, std::move(m));
   ++p->second.mappings;
   bytes_mapped_ += size;
 }
@@ -492,10 +499,11 @@ void HostDevice::unmap(device_ptr ptr, std::size_t size) {
     // The range reverts to plain reservation: PROT_NONE anonymous pages, no memory.
     void* at = ::mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE,
                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
-    if (at == MAP_FAILED)
-      fail(DriverCall::unmap, "mmap over " + range(ptr, size) + " failed: " +
-                                  std::strerror(errno),
+    if (at == MAP_FAILED) {
+      const int err = errno;  // before building the message, which may change errno
+      fail(DriverCall::unmap, "mmap over " + range(ptr, size) + " failed: " + std::strerror(err),
            cu_result::unknown);
+    }
   }
   const device_ptr end = ptr + size;
   while (it != mappings_.end() && it->first < end) {

@@ -57,10 +57,21 @@ void LoggingAdaptor::record(std::uint8_t op, stream_t stream, device_ptr ptr, st
   if (!write_error_.empty()) return;  // a trace with a hole would replay wrongly: stop
   try {
     writer_.append(op, stream, ptr, size);
-  } catch (const std::exception& e) {
+  } catch (...) {
     // The allocation itself succeeded; failing it because the log disk is full would be
-    // worse than losing the log. The error is reported by flush() and close().
-    write_error_ = e.what();
+    // worse than losing the log. The error is reported by flush() and close(). Never
+    // throws: a short message fits the string's inline buffer, without allocating.
+    try {
+      try {
+        throw;
+      } catch (const std::exception& e) {
+        write_error_ = e.what();
+      } catch (...) {
+        write_error_ = "write failed";
+      }
+    } catch (...) {
+      write_error_ = "out of memory";
+    }
   }
 }
 
@@ -84,7 +95,18 @@ device_ptr LoggingAdaptor::allocate(std::size_t nbytes, stream_t stream) {
     throw;
   }
   if (ptr != 0) {
-    live_[ptr] = nbytes;
+    try {
+      live_[ptr] = nbytes;
+    } catch (...) {
+      // Out of host memory after the upstream allocation succeeded: give it back rather
+      // than leak it, then report the failure. (record() never throws.)
+      try {
+        upstream_->deallocate(ptr, nbytes, stream);
+      } catch (...) {
+      }
+      ++failed_allocations_;
+      throw;
+    }
     record(VmtraceWriter::op_alloc, stream, ptr, nbytes);
   }
   return ptr;

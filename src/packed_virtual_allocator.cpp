@@ -97,6 +97,7 @@ PackedVirtualAllocator::~PackedVirtualAllocator() {
 
 device_ptr PackedVirtualAllocator::allocate(std::size_t nbytes, stream_t stream) {
   device_->check_stream_alive(stream, "PackedVirtualAllocator.allocate");
+  stream = detail::stream_key(stream);  // CU_STREAM_PER_THREAD: one stream per thread
   if (nbytes == 0) return 0;  // PyTorch's and CuPy's convention: null, nothing counted
   if (nbytes > max_request_bytes)
     throw InvalidArgument("PackedVirtualAllocator.allocate: request of " +
@@ -364,12 +365,13 @@ void PackedVirtualAllocator::steal(std::size_t need, const Reservation* keep,
   for (auto it = reservations_.rbegin(); it != reservations_.rend() && need > 0; ++it) {
     Reservation* r = it->second.get();
     if (r->mapped == 0) continue;
+    Block* cursor = nullptr;  // holes_done's walk: slots go down, so do the blocks it visits
     for (std::size_t s = r->slots; s > 0 && need > 0;) {
       --s;
-      if (!victim(r, s) || (!wait && !holes_done(r, s, s))) continue;
+      if (!victim(r, s) || (!wait && !holes_done(r, s, s, cursor))) continue;
       std::size_t lo = s;
       while (lo > 0 && s - lo + 1 < need && victim(r, lo - 1) &&
-             (wait || holes_done(r, lo - 1, lo - 1)))
+             (wait || holes_done(r, lo - 1, lo - 1, cursor)))
         --lo;
       if (wait) synchronize_holes(r, lo, s);  // may throw: nothing unmapped for this run
       unmap_slots(r, lo, s, out);   // may throw: same
@@ -391,9 +393,16 @@ void PackedVirtualAllocator::synchronize_holes(Reservation* res, std::size_t fir
     if (b->free && b->end() > lo) order_.synchronize(b->work);
 }
 
-bool PackedVirtualAllocator::holes_done(Reservation* res, std::size_t first, std::size_t last) {
+bool PackedVirtualAllocator::holes_done(Reservation* res, std::size_t first, std::size_t last,
+                                        Block*& cursor) {
   const std::size_t lo = first * chunk_size_, hi = (last + 1) * chunk_size_;
-  for (Block* b = res->first; b != nullptr && b->offset < hi; b = b->next)
+  // Start at the block holding byte `lo`, found from `cursor` (the previous call's start):
+  // calls for descending slots walk the reservation's blocks once in all, not once each.
+  Block* b = cursor != nullptr ? cursor : res->first;
+  while (b->prev != nullptr && b->offset > lo) b = b->prev;
+  while (b->next != nullptr && b->end() <= lo) b = b->next;
+  cursor = b;
+  for (; b != nullptr && b->offset < hi; b = b->next)
     if (b->free && b->end() > lo && !order_.poll(b->work)) return false;
   return true;
 }
@@ -446,6 +455,7 @@ std::size_t PackedVirtualAllocator::unmapped_in(const Reservation* res, std::siz
 
 void PackedVirtualAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t stream) {
   device_->check_stream_alive(stream, "PackedVirtualAllocator.deallocate");
+  stream = detail::stream_key(stream);
   if (ptr == 0) return;
   std::lock_guard<std::mutex> lock(mutex_);
   const std::size_t slot = live_.find_slot(ptr);  // one probe: found here, erased below

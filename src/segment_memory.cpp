@@ -2,7 +2,9 @@
 
 namespace vmalloc::detail {
 
-SegmentMemory::SegmentMemory(Device& device, std::size_t size) : device_(device), size_(size) {
+SegmentMemory::SegmentMemory(Device& device, std::size_t size,
+                             std::vector<std::unique_ptr<SegmentMemory>>* leftovers)
+    : device_(device), size_(size) {
   handle_ = device_.create(size_);
   created_ = true;
   try {
@@ -16,6 +18,13 @@ SegmentMemory::SegmentMemory(Device& device, std::size_t size) : device_(device)
     try {
       free();
     } catch (...) {
+      // The rollback failed too: hand what is left to the owner rather than lose it.
+      if (leftovers != nullptr) {
+        try {
+          leftovers->push_back(std::unique_ptr<SegmentMemory>(new SegmentMemory(*this, Adopt{})));
+        } catch (...) {
+        }
+      }
     }
     throw;
   }

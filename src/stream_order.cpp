@@ -1,10 +1,17 @@
 #include "vmalloc/detail/stream_order.hpp"
 
+#include <atomic>
 #include <utility>
 
 #include "vmalloc/errors.hpp"
 
 namespace vmalloc::detail {
+
+std::uintptr_t stream_thread_index() noexcept {
+  static std::atomic<std::uintptr_t> next{1};
+  thread_local const std::uintptr_t index = next.fetch_add(1, std::memory_order_relaxed);
+  return index;
+}
 
 StreamOrder::~StreamOrder() {
   for (const Slot& slot : slots_) {
@@ -20,14 +27,14 @@ std::uint32_t StreamOrder::record(stream_t stream) {
   std::uint32_t index;
   if (!free_slots_.empty()) {
     index = free_slots_.back();
-    device_->record_event(slots_[index].handle, stream);  // throws: slot stays free
+    device_->record_event(slots_[index].handle, stream_handle_of(stream));  // throws: stays free
     free_slots_.pop_back();
   } else {
     slots_.reserve(slots_.size() + 1);
     free_slots_.reserve(slots_.size() + 1);  // so unref() never allocates
     const event_t handle = device_->create_event();
     try {
-      device_->record_event(handle, stream);
+      device_->record_event(handle, stream_handle_of(stream));
     } catch (...) {
       // Keep the event for later rather than destroying it: it is a valid, idle event.
       slots_.push_back(Slot{handle, 0});
@@ -46,7 +53,8 @@ PendingWork StreamOrder::on_free_slow(stream_t stream) {
   PendingWork work;
   work.stream = stream;
   work.idle = false;
-  if (multi) work.event = record(stream);  // may throw: nothing changed yet
+  // Only stream 0 may be left without an event (see the header): its owner cannot destroy it.
+  if (multi || stream != 0) work.event = record(stream);  // may throw: nothing changed yet
   note_stream(stream);
   work.seq = ++seq_;
   return work;
@@ -55,16 +63,23 @@ PendingWork StreamOrder::on_free_slow(stream_t stream) {
 bool StreamOrder::settle_or_record(PendingWork& work) {
   if (work.idle) return false;
   if (work.event != no_event) return true;
-  try {
-    work.event = record(work.stream);
-    return true;
-  } catch (const Error&) {
-    // The freeing stream is gone (destroyed since the free). The driver finishes a destroyed
-    // stream's work on its own; waiting for the whole device covers it.
-    device_->synchronize();
+  if (work.seq <= synced_seq_) {  // done at an earlier device synchronize
     drop(work);
     return false;
   }
+  // Freed on stream 0 while it was the only stream, so no event was recorded: stream 0 always
+  // exists, so one is recorded on it now. (Any other stream may have been destroyed by its
+  // owner since the free: never used here. on_free records their events at once, so this is
+  // a safety net: wait for the whole device, which also settles every earlier free.)
+  if (work.stream == 0) {
+    work.event = record(work.stream);  // may throw: `work` unchanged
+    return true;
+  }
+  const std::uint64_t seq = seq_;
+  device_->synchronize();  // may throw: `work` unchanged
+  synced_seq_ = seq;
+  drop(work);
+  return false;
 }
 
 bool StreamOrder::completed(PendingWork& work) {
@@ -81,7 +96,7 @@ void StreamOrder::make_usable_on_slow(PendingWork& work, stream_t stream) {
     drop(work);
     return;
   }
-  device_->wait_event(stream, slots_[work.event].handle);
+  device_->wait_event(stream_handle_of(stream), slots_[work.event].handle);
 }
 
 void StreamOrder::synchronize(PendingWork& work) {

@@ -70,6 +70,7 @@ VirtualAllocator::~VirtualAllocator() {
 
 device_ptr VirtualAllocator::allocate(std::size_t nbytes, stream_t stream) {
   device_->check_stream_alive(stream, "VirtualAllocator.allocate");
+  stream = detail::stream_key(stream);  // CU_STREAM_PER_THREAD: one stream per thread
   if (nbytes == 0) return 0;  // PyTorch's and CuPy's convention: null, nothing counted
   if (nbytes > max_request_bytes)
     throw InvalidArgument("VirtualAllocator.allocate: request of " + std::to_string(nbytes) +
@@ -197,21 +198,39 @@ VirtualAllocator::Range* VirtualAllocator::map_new_range(std::size_t k, std::siz
   std::size_t first_created = 0, created = 0, mapped = 0;
   device_ptr base = 0;
   auto undo = [&]() noexcept {
+    // What the rollback cannot undo stays tracked: a reservation whose unmap or address free
+    // fails is kept (quarantined, with the chunks still mapped in it) so that the books agree
+    // with the device and release_cached() or the destructor tear it down later.
+    std::size_t still_mapped = 0;
+    bool keep = false;
     if (mapped > 0) {
       try {
         device_->unmap(base, mapped * chunk_size_);
       } catch (...) {
+        still_mapped = mapped;
+        keep = true;
       }
     }
-    if (base != 0) {
+    if (base != 0 && !keep) {
       try {
         device_->free_address(base, bytes);
       } catch (...) {
+        keep = true;
+      }
+    }
+    if (keep) {
+      for (std::size_t i = 0; i < still_mapped; ++i) res->handles[i] = chunks[i];
+      res->mapped = still_mapped;
+      res->quarantined = true;
+      try {
+        reservations_.emplace(base, std::move(res));
+      } catch (...) {
+        still_mapped = 0;  // out of host memory: nothing more can be done
       }
     }
     // Chunks created for this request go back to the device, the others to the pool's
-    // cache: reserved bytes are as before.
-    for (std::size_t i = 0; i < chunks.size(); ++i) {
+    // cache: reserved bytes are as before. Chunks still mapped stay held (quarantined).
+    for (std::size_t i = still_mapped; i < chunks.size(); ++i) {
       try {
         if (i >= first_created && i < first_created + created)
           pool_.release(chunks[i]);
@@ -375,6 +394,7 @@ void VirtualAllocator::drop_reservation_if_empty(Reservation* res) {
 
 void VirtualAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t stream) {
   device_->check_stream_alive(stream, "VirtualAllocator.deallocate");
+  stream = detail::stream_key(stream);
   if (ptr == 0) return;
   std::lock_guard<std::mutex> lock(mutex_);
   const std::size_t slot = live_.find_slot(ptr);  // valid until live_ changes below
@@ -506,6 +526,17 @@ std::size_t VirtualAllocator::release_cached() {
       throw;
     }
     for (physical_handle h : handles) pool_.give_back(h);
+  }
+  // Reservations quarantined by a failed rollback: unmap their chunks into the pool's cache.
+  for (auto& e : reservations_) {
+    Reservation* res = e.second.get();
+    if (!res->quarantined || res->mapped == 0) continue;
+    device_->unmap(res->base, res->mapped * chunk_size_);  // throws: kept, retried later
+    for (std::size_t i = 0; i < res->mapped; ++i) {
+      pool_.give_back(res->handles[i]);
+      res->handles[i] = 0;
+    }
+    res->mapped = 0;
   }
   // Reservations left empty by an earlier failed cuMemAddressFree.
   std::vector<Reservation*> empties;

@@ -6,6 +6,7 @@ Without CuPy installed only the import-safety tests run (the rest skip with the 
 """
 
 import gc
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,15 @@ import pytest
 
 import vmalloc
 import vmalloc.cupy
+
+
+def _env():
+    """The environment for a child Python: the vmalloc under test first on its path (absolute,
+    so that a relative PYTHONPATH still works from the child's own cwd)."""
+    env = dict(os.environ)
+    package_root = str(Path(vmalloc.__file__).parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    return env
 
 MiB = 1 << 20
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpu" / "cupy_example.py"
@@ -59,7 +69,8 @@ def test_import_in_a_fresh_interpreter_without_cupy(tmp_path):
             "print('ok')")
     # run outside the repository, so that the installed (built) vmalloc is imported
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120, cwd=tmp_path)
+                            timeout=120, cwd=tmp_path,
+                            env=_env())
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
 
@@ -203,7 +214,8 @@ def test_cupy_arrays_on_a_gpu(cupy):
 
 def test_gpu_example_fails_fast_without_a_gpu(tmp_path):
     result = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True,
-                            timeout=300, cwd=tmp_path)
+                            timeout=300, cwd=tmp_path,
+                            env=_env())
     if result.returncode == 0:  # a GPU machine: the example ran for real
         assert "utilization" in result.stdout
         return

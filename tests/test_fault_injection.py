@@ -255,3 +255,60 @@ def test_out_of_memory_from_the_driver_is_out_of_memory_error(make_allocator, em
     assert world.allocator.stats().out_of_memory_count == 1
     _still_works(world)
     _teardown(world, emu)
+
+
+# --- double faults: a driver call fails, and so does a call of the rollback ---------------
+
+#: (the call that fails, its number within the operation, the rollback call that fails too).
+DOUBLE_FAULTS = [
+    ("cuMemSetAccess", 1, "cuMemUnmap"),
+    ("cuMemSetAccess", 1, "cuMemAddressFree"),
+    ("cuMemMap", 2, "cuMemUnmap"),
+    ("cuMemMap", 1, "cuMemAddressFree"),
+]
+
+DOUBLE_SCENARIOS = {
+    "allocate cold": _cold(5 * MiB),
+    "allocate small cold": _cold(1000),
+    "allocate under pressure": _pressure(),
+}
+
+
+@pytest.mark.parametrize("scenario", list(DOUBLE_SCENARIOS))
+@pytest.mark.parametrize("fault", DOUBLE_FAULTS, ids=lambda f: f"{f[0]}-{f[1]}+{f[2]}")
+def test_a_failing_rollback_leaks_nothing(make_allocator, emu, scenario, fault):
+    """After a failure whose rollback fails too, the books agree with the device, the
+    allocator works on, and destroying it leaves the emulated GPU empty."""
+    capacity, warm_up, operation = DOUBLE_SCENARIOS[scenario]
+    name, k, rollback = fault
+    world = World(make_allocator, capacity)
+    context = warm_up(world)
+    accounting = _accounting(world.allocator)
+    live = dict(world.live)
+    emu.set_fault(name, k, DEFAULT_CODE)
+    emu.set_fault(rollback, 1, DEFAULT_CODE)
+    try:
+        operation(world, context)
+        raised = False
+    except vmalloc.DeviceError as error:
+        # (under pressure the rollback's call may fail first, while stealing)
+        assert error.call in (name, rollback), repr(error)
+        raised = True
+    finally:
+        emu.clear_faults()
+    if raised:
+        assert world.live == live
+        assert _accounting(world.allocator) == accounting
+    _consistent(world)
+    for ptr in list(world.live):
+        world.deallocate(ptr)
+    _still_works(world)
+    _consistent(world)
+    ordinal = world.device.ordinal
+    # Destroying the allocator (without release_cached) must tear down what it kept.
+    del world.allocator
+    world.device.synchronize()
+    for s in world.streams:
+        world.device.destroy_stream(s)
+    held = _held(emu, ordinal)
+    assert not any(held.values()), emu.leak_report(ordinal)

@@ -7,6 +7,7 @@ can show (clear errors, devices as torch.device) is tested on the real one when 
 """
 
 import ctypes
+import os
 import subprocess
 import sys
 import types
@@ -16,6 +17,15 @@ import pytest
 
 import vmalloc
 import vmalloc.torch
+
+
+def _env():
+    """The environment for a child Python: the vmalloc under test first on its path (absolute,
+    so that a relative PYTHONPATH still works from the child's own cwd)."""
+    env = dict(os.environ)
+    package_root = str(Path(vmalloc.__file__).parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    return env
 
 MiB = 1 << 20
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpu" / "torch_train_step.py"
@@ -229,14 +239,16 @@ def test_cuda_torch_training_step_on_a_gpu(tmp_path):
                     f"CUDA {torch.version.cuda})")
     # a fresh process: PyTorch's allocator swap is once per process
     result = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True,
-                            timeout=600, cwd=tmp_path)
+                            timeout=600, cwd=tmp_path,
+                            env=_env())
     assert result.returncode == 0, result.stderr
     assert "memory-management driver calls after warm-up: 0" in result.stdout
 
 
 def test_gpu_example_fails_fast_without_a_gpu(tmp_path):
     result = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True,
-                            timeout=300, cwd=tmp_path)
+                            timeout=300, cwd=tmp_path,
+                            env=_env())
     if result.returncode == 0:  # a GPU machine: the example ran for real
         assert "memory-management driver calls after warm-up: " in result.stdout
         return

@@ -15,7 +15,20 @@ from vmalloc.errors import (
 )
 from vmalloc.sizes import format_size, parse_size
 from vmalloc.stats import Stats
-from vmalloc._device import Device
+
+try:
+    from vmalloc._device import Device
+except ImportError as _error:  # pragma: no cover - depends on how vmalloc was installed
+    import os as _os
+
+    _here = _os.path.dirname(_os.path.abspath(__file__))
+    raise ImportError(
+        f"vmalloc's compiled modules are missing from {_here}: this looks like the vmalloc "
+        f"source tree (e.g. Python started in the repository root, where ./vmalloc shadows "
+        f"the installed package). Run Python from another directory to use the installed "
+        f"vmalloc, or build in place: `pip install -e .`, or `scripts/dev-build NAME` then "
+        f"PYTHONPATH=build/NAME/python. (Original error: {_error})"
+    ) from _error
 from vmalloc._allocator import Allocator
 from vmalloc._host_device import HostDevice
 from vmalloc._cuda_device import CudaDevice

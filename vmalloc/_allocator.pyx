@@ -2,6 +2,7 @@
 """The Python face of the allocator interface, shared by every vmalloc allocator."""
 
 from libc.stdint cimport uintptr_t
+from libcpp.string cimport string
 
 from vmalloc._device cimport stream_handle
 from vmalloc.errors import OutOfMemoryError
@@ -38,15 +39,30 @@ cdef class Allocator:
     streams are ints (``CUstream`` handles, 0 = default) or CuPy/PyTorch stream objects.
     """
 
+    # Every entry point releases the GIL around the C++ call: the allocator's mutex may be
+    # held by a thread that waits for the device (a synchronize inside allocate), and a
+    # thread waiting for that mutex with the GIL held would stop the thread that makes the
+    # device go on (e.g. one releasing a stream hold) from running.
+
     cdef CAllocator* get(self) except NULL:
         if not self.c_allocator:
-            raise RuntimeError("allocator is not initialized")
+            raise RuntimeError(f"{type(self).__name__} is not initialized (construct it with "
+                               f"{type(self).__name__}(...), not __new__)")
         return self.c_allocator.get()
+
+    def __dealloc__(self):
+        # The last reference destroys the allocator, which synchronizes the device.
+        with nogil:
+            self.c_allocator.reset()
 
     @property
     def name(self):
         """``"virtual"``, ``"caching"``, ..."""
-        return self.get().name().decode()
+        cdef CAllocator* a = self.get()
+        cdef string n
+        with nogil:
+            n = a.name()
+        return n.decode()
 
     def allocate(self, nbytes, stream=0):
         """Returns the device address of ``nbytes`` bytes usable on ``stream``.
@@ -86,30 +102,46 @@ cdef class Allocator:
         p = ptr
         n = unknown_size if nbytes is None else parse_size(nbytes, "nbytes")
         s = stream_handle(stream)
-        # The GIL is kept: a deallocation never waits for the device (frees are
-        # stream-ordered), and releasing it would cost more than the call itself.
-        a.deallocate(p, n, s)
+        # The GIL is released: a deallocation does not wait for the device, but it waits for
+        # the allocator's mutex, which an allocate may hold while it synchronizes.
+        with nogil:
+            a.deallocate(p, n, s)
 
     def release_cached(self):
         """Returns cached physical memory to the device; the number of bytes given back."""
         cdef CAllocator* a = self.get()
+        cdef size_t n
         with nogil:
             n = a.release_cached()
         return n
 
     def stats(self):
         """A :class:`vmalloc.Stats` snapshot."""
-        return stats_from_c(self.get().stats())
+        cdef CAllocator* a = self.get()
+        cdef CStats s
+        with nogil:
+            s = a.stats()
+        return stats_from_c(s)
 
     def reset_peak_stats(self):
         """Sets every ``peak_*`` statistic to its current value."""
-        self.get().reset_peak_stats()
+        cdef CAllocator* a = self.get()
+        with nogil:
+            a.reset_peak_stats()
 
     def allocation_size(self, uintptr_t ptr):
         """The size asked for when the live allocation at ``ptr`` was made."""
-        return self.get().allocation_size(ptr)
+        cdef CAllocator* a = self.get()
+        cdef size_t n
+        with nogil:
+            n = a.allocation_size(ptr)
+        return n
 
     def __repr__(self):
         if not self.c_allocator:
             return f"<{type(self).__name__} (uninitialized)>"
-        return f"<{type(self).__name__} on {self.device.name}: {self.get().stats().summary().decode()}>"
+        cdef CAllocator* a = self.get()
+        cdef CStats s
+        with nogil:
+            s = a.stats()
+        return f"<{type(self).__name__} on {self.device.name}: {s.summary().decode()}>"

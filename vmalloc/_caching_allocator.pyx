@@ -127,6 +127,12 @@ cdef class CachingAllocator(Allocator):
                  max_non_split_rounding_size=None, budget=None, expandable_segments=False):
         cdef CCachingAllocatorOptions options
         cdef shared_ptr[CCachingAllocator] allocator
+        cdef shared_ptr[CDevice] c_device
+        if self.c_allocator:
+            raise RuntimeError("CachingAllocator is already initialized: __init__ cannot be "
+                               "called twice; create a new CachingAllocator")
+        device.get()  # raises for an uninitialized device
+        c_device = device.c_device
         if not isinstance(policy, str):
             raise InvalidArgumentError(
                 f"policy must be 'pytorch', 'nnabla' or 'cupy', got {policy!r}")
@@ -141,8 +147,8 @@ cdef class CachingAllocator(Allocator):
             if options.budget == 0:
                 raise InvalidArgumentError("budget must be positive, or None for no budget")
         options.expandable_segments = True if expandable_segments else False
-        allocator = shared_ptr[CCachingAllocator](
-            new CCachingAllocator(device.c_device, options))
+        with nogil:
+            allocator = shared_ptr[CCachingAllocator](new CCachingAllocator(c_device, options))
         self.c_allocator = static_pointer_cast[CAllocator, CCachingAllocator](allocator)
         self.device = device
 
@@ -183,27 +189,32 @@ cdef class CachingAllocator(Allocator):
         :class:`vmalloc.InvalidPointerError` for a pointer that is not live and
         :class:`vmalloc.DeviceError` for an unknown stream (checked at once, by recording an
         event on it, so that the free cannot fail later)."""
-        self.caching().record_stream(ptr, stream_handle(stream))
+        cdef CCachingAllocator* a = self.caching()
+        cdef uintptr_t s = stream_handle(stream)
+        with nogil:
+            a.record_stream(ptr, s)
 
     def round_size(self, nbytes):
         """The block size a request of ``nbytes`` is rounded to under this policy."""
+        cdef CCachingAllocator* a = self.caching()
         cdef size_t n = parse_size(nbytes, "nbytes")
         if n == 0:
             return 0
-        return self.caching().round_size(n)
+        return a.round_size(n)
 
     def segment_size(self, nbytes):
         """The size of the segment a cache miss for ``nbytes`` creates (rounded up to the
         device granularity)."""
+        cdef CCachingAllocator* a = self.caching()
         cdef size_t n = parse_size(nbytes, "nbytes")
         if n == 0:
             return 0
-        return self.caching().segment_size(self.caching().round_size(n))
+        return a.segment_size(a.round_size(n))
 
     def pool_of(self, nbytes):
         """``"small"`` or ``"large"``: the pool that serves a request of ``nbytes``."""
-        cdef size_t n = parse_size(nbytes, "nbytes")
         cdef CCachingAllocator* a = self.caching()
+        cdef size_t n = parse_size(nbytes, "nbytes")
         return "small" if n and a.is_small(a.round_size(n)) else "large"
 
     def segment_stats(self):
@@ -214,7 +225,10 @@ cdef class CachingAllocator(Allocator):
         other streams), ``unsplit_free_segments`` (what :meth:`release_cached` would free),
         and counters since construction: ``segments_created``, ``segments_released``,
         ``alloc_retries`` (allocations that had to flush the cache) and ``cache_flushes``."""
-        cdef CCachingSegmentStats s = self.caching().segment_stats()
+        cdef CCachingAllocator* a = self.caching()
+        cdef CCachingSegmentStats s
+        with nogil:
+            s = a.segment_stats()
         return {
             "small_segments": s.small_segments,
             "large_segments": s.large_segments,
@@ -239,7 +253,10 @@ cdef class CachingAllocator(Allocator):
         ``blocks``, each block a dict with ``address``, ``size``, ``requested`` (0 unless
         allocated), ``stream`` and ``state`` (``"allocated"``, ``"waiting"`` for a free
         waiting on another stream's work, or ``"free"``)."""
-        cdef vector[CCachingSegmentInfo] segments = self.caching().snapshot()
+        cdef CCachingAllocator* a = self.caching()
+        cdef vector[CCachingSegmentInfo] segments
+        with nogil:
+            segments = a.snapshot()
         cdef CCachingSegmentInfo seg
         cdef CCachingBlockInfo b
         result = []

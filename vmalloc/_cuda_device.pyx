@@ -47,6 +47,9 @@ cdef class CudaDevice(Device):
     """
 
     def __init__(self, int ordinal=0, library=None):
+        if self.c_device:
+            raise RuntimeError("CudaDevice is already initialized: __init__ cannot be called "
+                               "twice; create a new CudaDevice")
         cdef string path = b"" if library is None else str(library).encode()
         cdef CCudaDevice* device
         with nogil:

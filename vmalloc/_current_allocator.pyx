@@ -80,6 +80,23 @@ cdef int _check_device(device) except -1:
     return device
 
 
+cdef shared_ptr[CAllocator] _current(int device):
+    # The registry's lock is taken without the GIL (see Allocator: no entry point waits for a
+    # C++ lock with the GIL held).
+    cdef shared_ptr[CAllocator] c
+    with nogil:
+        c = c_current_allocator(device)
+    return c
+
+
+cdef void _replace(int device, shared_ptr[CAllocator] c_new) except *:
+    # The allocator replaced may be destroyed here, which synchronizes its device: no GIL.
+    cdef shared_ptr[CAllocator] old
+    with nogil:
+        old = c_set_current_allocator(device, c_new)
+        old.reset()
+
+
 cdef object _wrap(shared_ptr[CAllocator] c_allocator, int device):
     """The Python object for a C++ allocator of the registry."""
     if not c_allocator:
@@ -121,8 +138,8 @@ def set_current_allocator(allocator, device=0):
                 f"allocator runs on {dev.name} but is being set for device {d}: memory of "
                 f"one GPU must not serve another")
         c_new = a.c_allocator
-    previous = _wrap(c_current_allocator(d), d)
-    c_set_current_allocator(d, c_new)
+    previous = _wrap(_current(d), d)
+    _replace(d, c_new)
     if allocator is None:
         _python_allocators.pop(d, None)
     else:
@@ -133,12 +150,15 @@ def set_current_allocator(allocator, device=0):
 def get_current_allocator(device=0):
     """The current allocator of device ordinal ``device``, or None when it has none."""
     cdef int d = _check_device(device)
-    return _wrap(c_current_allocator(d), d)
+    return _wrap(_current(d), d)
 
 
 def devices_with_current_allocator():
     """The device ordinals that have a current allocator, ascending."""
-    return list(c_devices_with_current_allocator())
+    cdef vector[int] devices
+    with nogil:
+        devices = c_devices_with_current_allocator()
+    return list(devices)
 
 
 def library_path():
@@ -200,8 +220,11 @@ def function_address(name):
 def _clear_all():
     # At interpreter exit, destroy the allocators while their devices still work, instead of
     # during the C++ library's static destruction.
-    for d in c_devices_with_current_allocator():
-        c_set_current_allocator(d, shared_ptr[CAllocator]())
+    cdef vector[int] devices
+    with nogil:
+        devices = c_devices_with_current_allocator()
+    for d in devices:
+        _replace(d, shared_ptr[CAllocator]())
     _python_allocators.clear()
 
 

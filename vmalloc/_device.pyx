@@ -2,6 +2,8 @@
 """The Python face of the device interface; HostDevice and CudaDevice derive from it."""
 
 from libc.stdint cimport uint64_t, uintptr_t
+from libcpp cimport bool
+from libcpp.string cimport string
 
 from vmalloc.sizes import parse_size
 
@@ -30,51 +32,91 @@ cdef class Device:
     :class:`vmalloc.DeviceError` naming the driver call and its ``CUresult``.
     """
 
+    # Every call into the device releases the GIL: the device's calls take its locks and may
+    # wait for streams, and a thread waiting with the GIL held would stop the Python thread
+    # that makes the device go on.
+
     cdef CDevice* get(self) except NULL:
         if not self.c_device:
-            raise RuntimeError("device is not initialized")
+            raise RuntimeError(f"{type(self).__name__} is not initialized (construct it with "
+                               f"{type(self).__name__}(...), not __new__)")
         return self.c_device.get()
+
+    def __dealloc__(self):
+        # The last reference destroys the device, which waits for its streams.
+        with nogil:
+            self.c_device.reset()
 
     @property
     def name(self):
         """``"host:0"``, ``"cuda:0"``, ..."""
-        return self.get().name().decode()
+        cdef CDevice* d = self.get()
+        cdef string n
+        with nogil:
+            n = d.name()
+        return n.decode()
 
     @property
     def ordinal(self):
-        return self.get().ordinal()
+        cdef CDevice* d = self.get()
+        cdef int o
+        with nogil:
+            o = d.ordinal()
+        return o
 
     @property
     def granularity(self):
         """Minimum allocation granularity in bytes (sizes of physical chunks are multiples)."""
-        return self.get().granularity()
+        cdef CDevice* d = self.get()
+        cdef size_t g
+        with nogil:
+            g = d.granularity()
+        return g
 
     @property
     def recommended_granularity(self):
-        return self.get().recommended_granularity()
+        cdef CDevice* d = self.get()
+        cdef size_t g
+        with nogil:
+            g = d.recommended_granularity()
+        return g
 
     @property
     def capacity(self):
         """Physical bytes the device can hold, or None when unlimited."""
-        cdef size_t c = self.get().capacity()
+        cdef CDevice* d = self.get()
+        cdef size_t c
+        with nogil:
+            c = d.capacity()
         return None if c == 0 else c
 
     @property
     def backed(self):
         """False for an accounting-only device (its memory cannot be read or written)."""
-        return self.get().backed()
+        cdef CDevice* d = self.get()
+        cdef bool b
+        with nogil:
+            b = d.backed()
+        return b
 
     @property
     def physical_bytes_in_use(self):
         """Bytes of physical memory created and not yet freed."""
-        return self.get().physical_bytes_in_use()
+        cdef CDevice* d = self.get()
+        cdef size_t n
+        with nogil:
+            n = d.physical_bytes_in_use()
+        return n
 
     def counters(self):
         """Driver-equivalent calls made so far, by name (``create``, ``release``, ``reserve``,
         ``free_address``, ``map``, ``unmap``, ``set_access``, ...), plus ``bytes_to_device``,
         ``bytes_to_host``, ``bytes_device``, ``memory_management_calls``, ``modeled_seconds``
         (the calls' cost under :meth:`cost_model`) and ``modeled_copy_seconds``."""
-        cdef CounterSnapshot s = self.get().counters()
+        cdef CDevice* d = self.get()
+        cdef CounterSnapshot s
+        with nogil:
+            s = d.counters()
         result = {driver_call_name_at(i).decode(): s.call_count_at(i)
                   for i in range(driver_call_count)}
         result["memory_management_calls"] = s.memory_management_calls()
@@ -86,11 +128,16 @@ cdef class Device:
         return result
 
     def reset_counters(self):
-        self.get().reset_counters()
+        cdef CDevice* d = self.get()
+        with nogil:
+            d.reset_counters()
 
     def cost_model(self):
         """Seconds per call by call name, and copy bandwidths in bytes per second."""
-        cdef CostModel m = self.get().cost_model()
+        cdef CDevice* d = self.get()
+        cdef CostModel m
+        with nogil:
+            m = d.cost_model()
         result = {driver_call_name_at(i).decode(): m.seconds_at(i)
                   for i in range(driver_call_count)}
         result["to_device_bytes_per_second"] = m.to_device_bytes_per_second
@@ -100,7 +147,10 @@ cdef class Device:
 
     def set_cost_model(self, **costs):
         """Overrides model costs: ``dev.set_cost_model(create=7.6e-6, map=1.05e-6)``."""
-        cdef CostModel m = self.get().cost_model()
+        cdef CDevice* d = self.get()
+        cdef CostModel m
+        with nogil:
+            m = d.cost_model()
         names = _call_names()
         for key, value in costs.items():
             value = float(value)
@@ -116,7 +166,8 @@ cdef class Device:
                 m.device_bytes_per_second = value
             else:
                 raise ValueError(f"unknown cost {key!r}; known: {', '.join(names)}")
-        self.get().set_cost_model(m)
+        with nogil:
+            d.set_cost_model(m)
 
     # --- blocking data access, for users and tests ---
 
@@ -216,22 +267,42 @@ cdef class Device:
             d.host_free(<void*>ptr)
 
     def create_stream(self):
-        return self.get().create_stream()
+        cdef CDevice* d = self.get()
+        cdef uintptr_t s
+        with nogil:
+            s = d.create_stream()
+        return s
 
     def destroy_stream(self, stream):
-        self.get().destroy_stream(stream_handle(stream))
+        cdef CDevice* d = self.get()
+        cdef uintptr_t s = stream_handle(stream)
+        with nogil:
+            d.destroy_stream(s)
 
     def create_event(self):
-        return self.get().create_event()
+        cdef CDevice* d = self.get()
+        cdef uintptr_t e
+        with nogil:
+            e = d.create_event()
+        return e
 
     def destroy_event(self, uintptr_t event):
-        self.get().destroy_event(event)
+        cdef CDevice* d = self.get()
+        with nogil:
+            d.destroy_event(event)
 
     def record_event(self, uintptr_t event, stream=0):
-        self.get().record_event(event, stream_handle(stream))
+        cdef CDevice* d = self.get()
+        cdef uintptr_t s = stream_handle(stream)
+        with nogil:
+            d.record_event(event, s)
 
     def query_event(self, uintptr_t event):
-        return self.get().query_event(event)
+        cdef CDevice* d = self.get()
+        cdef bool done
+        with nogil:
+            done = d.query_event(event)
+        return done
 
     def synchronize_event(self, uintptr_t event):
         cdef CDevice* d = self.get()
@@ -239,7 +310,10 @@ cdef class Device:
             d.synchronize_event(event)
 
     def wait_event(self, stream, uintptr_t event):
-        self.get().wait_event(stream_handle(stream), event)
+        cdef CDevice* d = self.get()
+        cdef uintptr_t s = stream_handle(stream)
+        with nogil:
+            d.wait_event(s, event)
 
     def synchronize_stream(self, stream=0):
         cdef uintptr_t s = stream_handle(stream)

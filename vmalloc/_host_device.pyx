@@ -63,6 +63,9 @@ cdef class HostDevice(Device):
     """
 
     def __init__(self, capacity=None, granularity="2MiB", backed=True, ordinal=0):
+        if self.c_device:
+            raise RuntimeError("HostDevice is already initialized: __init__ cannot be called "
+                               "twice; create a new HostDevice")
         cdef CHostDeviceOptions options
         options.capacity = parse_size(capacity, "capacity", allow_none=True) or 0
         options.granularity = parse_size(granularity, "granularity")
@@ -70,7 +73,9 @@ cdef class HostDevice(Device):
         if not isinstance(ordinal, int) or isinstance(ordinal, bool):
             raise TypeError(f"ordinal must be an int, got {type(ordinal).__name__}")
         options.ordinal = ordinal
-        cdef CHostDevice* device = new CHostDevice(options)
+        cdef CHostDevice* device
+        with nogil:
+            device = new CHostDevice(options)
         self.c_device.reset(<CDevice*>device)
 
     cdef CHostDevice* host(self) except NULL:
@@ -86,7 +91,10 @@ cdef class HostDevice(Device):
         Two snapshots compare equal when nothing changed in between: tests use this to show
         that a refused call left the device as it was.
         """
-        cdef CHostDeviceState s = self.host().state()
+        cdef CHostDevice* h = self.host()
+        cdef CHostDeviceState s
+        with nogil:
+            s = h.state()
         return {
             "physical_allocations": s.physical_allocations,
             "released_still_mapped": s.released_still_mapped,
@@ -137,18 +145,29 @@ cdef class HostDevice(Device):
         waits for stream 0's earlier work, and stream 0's work waits for its earlier work. A
         ``non_blocking`` stream (``CU_STREAM_NON_BLOCKING``, what :class:`CudaDevice` creates)
         has no such implicit ordering: order it with events."""
-        return self.host().create_stream(bool(non_blocking))
+        cdef CHostDevice* h = self.host()
+        cdef cbool nb = bool(non_blocking)
+        cdef uintptr_t s
+        with nogil:
+            s = h.create_stream(nb)
+        return s
 
     def hold_stream(self, stream=0):
         """Blocks ``stream`` until :meth:`release_hold` (a testing aid, like a kernel that
         runs until told to stop), so that work queued behind it can be observed before it
         runs. Returns the hold's id. Destroying the device releases every hold."""
         cdef uintptr_t s = stream_handle(stream)
-        return self.host().hold_stream(s)
+        cdef CHostDevice* h = self.host()
+        cdef uint64_t hold
+        with nogil:
+            hold = h.hold_stream(s)
+        return hold
 
     def release_hold(self, uint64_t hold):
         """Lets the stream blocked by :meth:`hold_stream` go on."""
-        self.host().release_hold(hold)
+        cdef CHostDevice* h = self.host()
+        with nogil:
+            h.release_hold(hold)
 
     @staticmethod
     def vma_limit():

@@ -47,11 +47,16 @@ cdef class LoggingAllocator(Allocator):
     cdef readonly str path
 
     def __init__(self, Allocator allocator not None, path):
+        if self.c_allocator:
+            raise RuntimeError("LoggingAllocator is already initialized: __init__ cannot be "
+                               "called twice; create a new LoggingAllocator")
         cdef string c_path = os.fsencode(path)
         if not allocator.c_allocator:
             raise ValueError("the allocator to wrap is not initialized")
-        cdef shared_ptr[CLoggingAdaptor] adaptor = shared_ptr[CLoggingAdaptor](
-            new CLoggingAdaptor(allocator.c_allocator, c_path))
+        cdef shared_ptr[CAllocator] upstream = allocator.c_allocator
+        cdef shared_ptr[CLoggingAdaptor] adaptor
+        with nogil:
+            adaptor = shared_ptr[CLoggingAdaptor](new CLoggingAdaptor(upstream, c_path))
         self.logging = adaptor.get()
         self.c_allocator = static_pointer_cast[CAllocator, CLoggingAdaptor](adaptor)
         self.device = allocator.device
@@ -62,39 +67,57 @@ cdef class LoggingAllocator(Allocator):
         """Writes buffered records to the file. Raises :class:`vmalloc.VmallocError` if a
         write failed (recording stops at the first failure; allocations go on)."""
         self.get()
+        cdef CLoggingAdaptor* adaptor = self.logging
         with nogil:
-            self.logging.flush()
+            adaptor.flush()
 
     def close(self):
         """Completes the trace file. Afterwards :meth:`allocate` raises and
         :meth:`deallocate` still gives memory back, unrecorded. Idempotent."""
         self.get()
+        cdef CLoggingAdaptor* adaptor = self.logging
         with nogil:
-            self.logging.close()
+            adaptor.close()
 
     @property
     def closed(self):
         """True once :meth:`close` was called."""
         self.get()
-        return self.logging.closed()
+        cdef CLoggingAdaptor* adaptor = self.logging
+        cdef bool value
+        with nogil:
+            value = adaptor.closed()
+        return value
 
     @property
     def events_written(self):
         """Events recorded so far (buffered ones included)."""
         self.get()
-        return self.logging.events_written()
+        cdef CLoggingAdaptor* adaptor = self.logging
+        cdef uint64_t value
+        with nogil:
+            value = adaptor.events_written()
+        return value
 
     @property
     def unrecorded_frees(self):
         """Frees of pointers allocated before the wrapping (forwarded, not recorded)."""
         self.get()
-        return self.logging.unrecorded_frees()
+        cdef CLoggingAdaptor* adaptor = self.logging
+        cdef uint64_t value
+        with nogil:
+            value = adaptor.unrecorded_frees()
+        return value
 
     @property
     def failed_allocations(self):
         """Allocations the wrapped allocator refused (not in the trace)."""
         self.get()
-        return self.logging.failed_allocations()
+        cdef CLoggingAdaptor* adaptor = self.logging
+        cdef uint64_t value
+        with nogil:
+            value = adaptor.failed_allocations()
+        return value
 
     def __enter__(self):
         return self

@@ -33,8 +33,17 @@ cdef class Replay:
                 f"timeline_points must not be negative, got {timeline_points}")
         options.timeline_points = timeline_points
         options.stop_on_out_of_memory = True if stop_on_out_of_memory else False
-        self.c_replay.reset(new CReplay(allocator.c_allocator, options))
+        cdef shared_ptr[CAllocator] c_allocator = allocator.c_allocator
+        cdef CReplay* created
+        with nogil:
+            created = new CReplay(c_allocator, options)
+        self.c_replay.reset(created)
         self.allocator = allocator
+
+    def __dealloc__(self):
+        # Destroying the replay frees what is live and synchronizes the device.
+        with nogil:
+            self.c_replay.reset()
 
     cdef CReplay* get(self) except NULL:
         if not self.c_replay:
@@ -56,12 +65,14 @@ cdef class Replay:
             arr = arr.astype(EVENT_DTYPE)
         arr = np.ascontiguousarray(arr.reshape(-1))
         cdef size_t n = arr.shape[0]
-        if n == 0:
-            return not self.get().stopped()
-        cdef const unsigned char[::1] raw = arr.view(np.uint8)
-        cdef const TraceEvent* events = <const TraceEvent*>&raw[0]
         cdef CReplay* r = self.get()
         cdef bool going
+        if n == 0:
+            with nogil:
+                going = not r.stopped()
+            return going
+        cdef const unsigned char[::1] raw = arr.view(np.uint8)
+        cdef const TraceEvent* events = <const TraceEvent*>&raw[0]
         with nogil:
             going = r.feed(events, n)
         return going
@@ -69,7 +80,11 @@ cdef class Replay:
     @property
     def stopped(self):
         """True once the run stopped at an allocation that ran out of memory."""
-        return self.get().stopped()
+        cdef CReplay* r = self.get()
+        cdef bool stopped
+        with nogil:
+            stopped = r.stopped()
+        return stopped
 
     def counts(self):
         """What the engine observed, as a dict: ``events``, ``allocations``, ``frees``,
@@ -77,7 +92,10 @@ cdef class Replay:
         ``out_of_memory_count``, ``out_of_memory_event`` (index of the first allocation that
         ran out, or None), ``out_of_memory_request_bytes``, ``live_allocations``,
         ``requested_bytes``, ``peak_requested_bytes`` and ``streams``."""
-        cdef ReplayCounts c = self.get().counts()
+        cdef CReplay* r = self.get()
+        cdef ReplayCounts c
+        with nogil:
+            c = r.counts()
         return {
             "events": c.events,
             "allocations": c.allocations,
@@ -98,7 +116,10 @@ cdef class Replay:
         requested_bytes, reserved_bytes)``: bucket ``i`` covers the events from
         ``first_event[i]`` on, and holds the largest requested and reserved byte counts seen
         after any of them."""
-        cdef vector[TimelinePoint] points = self.get().timeline()
+        cdef CReplay* r = self.get()
+        cdef vector[TimelinePoint] points
+        with nogil:
+            points = r.timeline()
         cdef size_t n = points.size()
         cdef size_t i
         first = np.empty(n, dtype=np.uint64)
@@ -116,4 +137,8 @@ cdef class Replay:
     @property
     def timeline_stride(self):
         """Events per timeline bucket now (a power of two)."""
-        return self.get().timeline_stride()
+        cdef CReplay* r = self.get()
+        cdef uint64_t stride
+        with nogil:
+            stride = r.timeline_stride()
+        return stride

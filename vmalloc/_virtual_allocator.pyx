@@ -176,9 +176,19 @@ cdef class VirtualAllocator(Allocator):
     cdef shared_ptr[CPackedVirtualAllocator] c_packed
     cdef readonly str placement
 
+    def __dealloc__(self):
+        # Allocator.__dealloc__ (run after this) drops the last reference without the GIL.
+        with nogil:
+            self.c_virtual.reset()
+            self.c_packed.reset()
+
     def __init__(self, Device device not None, chunk_size=None, budget=None,
                  small_threshold=None, placement="chunks", reservation_size=None,
                  steal_before_create=None, remap_slack=None):
+        if self.c_allocator:
+            raise RuntimeError("VirtualAllocator is already initialized: __init__ cannot be "
+                               "called twice; create a new VirtualAllocator")
+        device.get()  # raises for an uninitialized device
         if placement not in PLACEMENTS:
             raise_invalid(f"placement must be one of {', '.join(map(repr, PLACEMENTS))}, "
                           f"got {placement!r}")
@@ -195,7 +205,6 @@ cdef class VirtualAllocator(Allocator):
             steal_before_create = False
         if steal_before_create is not True and steal_before_create is not False:
             raise TypeError(f"steal_before_create must be a bool, got {steal_before_create!r}")
-        self.placement = placement
         cdef VirtualAllocatorOptions options
         options.chunk_size = 0 if chunk_size is None else parse_size(chunk_size, "chunk_size")
         if chunk_size is not None and options.chunk_size == 0:
@@ -206,7 +215,12 @@ cdef class VirtualAllocator(Allocator):
         options.small_threshold = (default_small_threshold if small_threshold is None
                                    else parse_size(small_threshold, "small_threshold"))
         options.steal_before_create = steal_before_create
-        self.c_virtual = CVirtualAllocator.create(device.c_device, options)
+        cdef shared_ptr[CDevice] c_device = device.c_device
+        cdef shared_ptr[CVirtualAllocator] created
+        with nogil:
+            created = CVirtualAllocator.create(c_device, options)
+        self.placement = placement
+        self.c_virtual = created
         self.c_allocator = static_pointer_cast[CAllocator, CVirtualAllocator](self.c_virtual)
         self.device = device
 
@@ -230,8 +244,12 @@ cdef class VirtualAllocator(Allocator):
         options.steal_before_create = steal_before_create
         if remap_slack is not None:
             options.remap_slack = float(remap_slack)  # checked in C++ (NaN, range)
+        cdef shared_ptr[CDevice] c_device = device.c_device
+        cdef shared_ptr[CPackedVirtualAllocator] created
+        with nogil:
+            created = CPackedVirtualAllocator.create(c_device, options)
         self.placement = "packed"
-        self.c_packed = CPackedVirtualAllocator.create(device.c_device, options)
+        self.c_packed = created
         self.c_allocator = static_pointer_cast[CAllocator, CPackedVirtualAllocator](
             self.c_packed)
         self.device = device
@@ -239,6 +257,7 @@ cdef class VirtualAllocator(Allocator):
     @property
     def chunk_size(self):
         """Bytes per physical chunk."""
+        self.get()  # raises for an uninitialized wrapper
         if self.c_packed:
             return self.c_packed.get().chunk_size()
         return self.c_virtual.get().chunk_size()
@@ -247,6 +266,7 @@ cdef class VirtualAllocator(Allocator):
     def small_threshold(self):
         """Requests of at most this many bytes are sub-allocated (0: none are); with packed
         placement, packed apart from larger ones."""
+        self.get()  # raises for an uninitialized wrapper
         if self.c_packed:
             return self.c_packed.get().small_threshold()
         return self.c_virtual.get().small_threshold()
@@ -254,6 +274,7 @@ cdef class VirtualAllocator(Allocator):
     @property
     def reservation_size(self):
         """Virtual bytes per reservation (packed placement), or None (chunks placement)."""
+        self.get()  # raises for an uninitialized wrapper
         if self.c_packed:
             return self.c_packed.get().reservation_size()
         return None
@@ -261,6 +282,7 @@ cdef class VirtualAllocator(Allocator):
     @property
     def steal_before_create(self):
         """Whether free mapped chunks are stolen before new ones are created on a miss."""
+        self.get()  # raises for an uninitialized wrapper
         if self.c_packed:
             return self.c_packed.get().steal_before_create()
         return self.c_virtual.get().steal_before_create()
@@ -268,6 +290,7 @@ cdef class VirtualAllocator(Allocator):
     @property
     def remap_slack(self):
         """Packed placement's ``remap_slack`` (a float); ``None`` with chunks placement."""
+        self.get()  # raises for an uninitialized wrapper
         if self.c_packed:
             return self.c_packed.get().remap_slack()
         return None
@@ -275,6 +298,7 @@ cdef class VirtualAllocator(Allocator):
     @property
     def budget(self):
         """The most bytes of chunks held at once, or None."""
+        self.get()  # raises for an uninitialized wrapper
         cdef size_t b = (self.c_packed.get().budget() if self.c_packed
                          else self.c_virtual.get().budget())
         return None if b == 0 else b
@@ -296,9 +320,13 @@ cdef class VirtualAllocator(Allocator):
         Raises:
             vmalloc.InvalidArgumentError: with ``placement="chunks"``.
         """
+        self.get()  # raises for an uninitialized wrapper
         if not self.c_packed:
             raise_invalid('packed_stats() needs placement="packed"; use chunk_stats()')
-        cdef PackedStats s = self.c_packed.get().packed_stats()
+        cdef CPackedVirtualAllocator* packed = self.c_packed.get()
+        cdef PackedStats s
+        with nogil:
+            s = packed.packed_stats()
         return {
             "chunk_size": s.chunk_size,
             "small_threshold": s.small_threshold,
@@ -345,8 +373,15 @@ cdef class VirtualAllocator(Allocator):
         arenas (``chunks_in_arenas``, ``live_blocks``, ``free_blocks`` are 0). See
         :meth:`packed_stats`.
         """
-        cdef ChunkStats s = (self.c_packed.get().chunk_stats() if self.c_packed
-                             else self.c_virtual.get().chunk_stats())
+        self.get()  # raises for an uninitialized wrapper
+        cdef CPackedVirtualAllocator* packed = self.c_packed.get()
+        cdef CVirtualAllocator* chunks = self.c_virtual.get()
+        cdef ChunkStats s
+        with nogil:
+            if packed != NULL:
+                s = packed.chunk_stats()
+            else:
+                s = chunks.chunk_stats()
         return {
             "chunk_size": s.chunk_size,
             "small_threshold": s.small_threshold,
@@ -462,49 +497,95 @@ cdef class PhysicalChunkPool:
     cdef readonly Device device
 
     def __init__(self, Device device not None, chunk_size="2MiB", budget=None):
+        if self.c_pool != NULL:
+            raise RuntimeError("PhysicalChunkPool is already initialized: __init__ cannot be "
+                               "called twice; create a new PhysicalChunkPool")
+        device.get()  # raises for an uninitialized device
         cdef size_t mc = parse_size(chunk_size, "chunk_size")
         cdef size_t b = 0 if budget is None else parse_size(budget, "budget")
         if budget is not None and b == 0:
             raise_invalid("budget must be positive (None for no budget), got 0")
-        self.c_pool = new CPhysicalChunkPool(device.c_device, mc, b)
+        cdef shared_ptr[CDevice] c_device = device.c_device
+        cdef CPhysicalChunkPool* pool
+        with nogil:
+            pool = new CPhysicalChunkPool(c_device, mc, b)
+        self.c_pool = pool
         self.device = device
 
     def __dealloc__(self):
-        del self.c_pool
+        cdef CPhysicalChunkPool* pool = self.c_pool
+        self.c_pool = NULL
+        with nogil:
+            del pool
+
+    cdef CPhysicalChunkPool* get(self) except NULL:
+        if self.c_pool == NULL:
+            raise RuntimeError("PhysicalChunkPool is not initialized (construct it with "
+                               "PhysicalChunkPool(...), not __new__)")
+        return self.c_pool
 
     def acquire(self):
         """A chunk handle: a cached chunk if any, else a new one. Raises
         :class:`vmalloc.OutOfMemoryError` when the budget or the device is full."""
-        return self.c_pool.acquire()
+        cdef CPhysicalChunkPool* pool = self.get()
+        cdef uint64_t chunk
+        with nogil:
+            chunk = pool.acquire()
+        return chunk
 
     def take_cached(self):
         """A cached chunk handle, or 0 when the cache is empty (never creates)."""
-        return self.c_pool.take_cached()
+        cdef CPhysicalChunkPool* pool = self.get()
+        cdef uint64_t chunk
+        with nogil:
+            chunk = pool.take_cached()
+        return chunk
 
     def create(self):
         """A new chunk handle (never from the cache)."""
-        return self.c_pool.create()
+        cdef CPhysicalChunkPool* pool = self.get()
+        cdef uint64_t chunk
+        with nogil:
+            chunk = pool.create()
+        return chunk
 
     def give_back(self, chunk):
         """Returns an unmapped chunk to the cache."""
-        self.c_pool.give_back(chunk)
+        cdef CPhysicalChunkPool* pool = self.get()
+        cdef uint64_t c = chunk
+        with nogil:
+            pool.give_back(c)
 
     def release(self, chunk):
         """Releases a chunk held by the caller to the device."""
-        self.c_pool.release(chunk)
+        cdef CPhysicalChunkPool* pool = self.get()
+        cdef uint64_t c = chunk
+        with nogil:
+            pool.release(c)
 
     def release_cached(self):
         """Releases every cached chunk to the device; returns the bytes released."""
-        return self.c_pool.release_cached()
+        cdef CPhysicalChunkPool* pool = self.get()
+        cdef size_t n
+        with nogil:
+            n = pool.release_cached()
+        return n
 
     def creatable_chunks(self):
         """How many more chunks the budget and the device's capacity allow (an estimate)."""
-        return self.c_pool.creatable_chunks()
+        cdef CPhysicalChunkPool* pool = self.get()
+        cdef size_t n
+        with nogil:
+            n = pool.creatable_chunks()
+        return n
 
     def stats(self):
         """A dict: ``chunk_size``, ``budget_bytes``, ``chunks_held``, ``peak_chunks_held``,
         ``chunks_cached``, ``chunks_created``, ``chunks_released``."""
-        cdef ChunkPoolStats s = self.c_pool.stats()
+        cdef CPhysicalChunkPool* pool = self.get()
+        cdef ChunkPoolStats s
+        with nogil:
+            s = pool.stats()
         return {
             "chunk_size": s.chunk_size,
             "budget_bytes": s.budget_bytes,

@@ -171,8 +171,10 @@ def _allocator_of(device):
 def memory_stats(device=None):
     """The :class:`vmalloc.Stats` of ``device``'s current vmalloc allocator.
 
-    PyTorch's own ``torch.cuda.memory_stats()`` stays empty for a pluggable allocator; this is
-    the replacement. ``device`` is None (the current CUDA device), an int, ``"cuda:1"`` or a
+    With a pluggable allocator, PyTorch's own ``torch.cuda.memory_stats()`` (and what is built
+    on it: ``memory_allocated()``, ``max_memory_allocated()``, ``memory_reserved()``,
+    ``memory_summary()``) raises ``RuntimeError`` in current PyTorch (the pluggable allocator
+    has no device statistics); this is the replacement. ``device`` is None (the current CUDA device), an int, ``"cuda:1"`` or a
     ``torch.device``. Raises :class:`vmalloc.VmallocError` when the device has no current
     allocator.
     """

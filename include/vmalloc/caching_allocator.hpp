@@ -181,6 +181,12 @@ class CachingAllocator final : public Allocator {
   mutable std::mutex mutex_;
   // Address order, so a pointer can be traced to its segment in error messages.
   std::map<device_ptr, std::unique_ptr<Segment>> segments_;
+  // Memory of segments whose creation failed and whose rollback failed too: still held on
+  // the device (counted in reserved_bytes while created), freed by release_cached() or the
+  // destructor.
+  std::vector<std::unique_ptr<detail::SegmentMemory>> leftovers_;
+  // Retries freeing leftovers_ (those that still fail stay, counted).
+  void free_leftovers() noexcept;
   detail::BlockPool small_pool_;
   detail::BlockPool large_pool_;
   detail::UnmappedPool small_unmapped_;  // expandable segments only

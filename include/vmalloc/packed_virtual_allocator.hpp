@@ -155,7 +155,9 @@ class PackedVirtualAllocator final : public Allocator {
   void steal(std::size_t need, const Reservation* keep, std::size_t keep_first,
              std::size_t keep_last, std::vector<physical_handle>& out, bool wait);
   // True if the work of every hole overlapping slots [first, last] of `res` is done.
-  bool holes_done(Reservation* res, std::size_t first, std::size_t last);
+  // `cursor`: a block of `res` to start the search from (nullptr: the first), set to the
+  // block holding slot `first`'s first byte, so descending calls cost one walk in all.
+  bool holes_done(Reservation* res, std::size_t first, std::size_t last, Block*& cursor);
   // Unmaps slots [first, last] of `res` (all mapped, no live block); chunks into `out`.
   void unmap_slots(Reservation* res, std::size_t first, std::size_t last,
                    std::vector<physical_handle>& out);

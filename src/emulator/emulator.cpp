@@ -1,5 +1,7 @@
 #include "emulator.hpp"
 
+#include <algorithm>
+
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -216,11 +218,44 @@ std::map<CUdeviceptr, Emulator::Reservation>::iterator Emulator::reservation_con
                                      "cuMemAddressReserve");
 }
 
+void Emulator::note_destroyed_stream(std::uintptr_t handle, int ordinal) {
+  destroyed_streams_.emplace(handle, ordinal);
+}
+
+void Emulator::check_not_destroyed_stream(std::uintptr_t handle, const char* what) {
+  auto it = destroyed_streams_.find(handle);
+  if (it == destroyed_streams_.end()) return;
+  const std::string message = "stream " + hex(handle) + " was destroyed (cuStreamDestroy) and " +
+                              "then used by " + what +
+                              ": using a destroyed stream handle is undefined on a GPU";
+  try {
+    misuses_.emplace_back(it->second, message);
+  } catch (...) {
+  }
+  fail(CUDA_ERROR_INVALID_HANDLE, message);
+}
+
 std::pair<Gpu*, stream_t> Emulator::resolve_stream(CUstream stream) {
   const auto value = reinterpret_cast<std::uintptr_t>(stream);
-  if (value == 0 || value == CU_STREAM_LEGACY || value == CU_STREAM_PER_THREAD)
-    return {&current_gpu(), 0};
+  if (value == 0 || value == CU_STREAM_LEGACY) return {&current_gpu(), 0};
+  if (value == CU_STREAM_PER_THREAD) {
+    Gpu& gpu = current_gpu();
+    static std::atomic<std::uint64_t> next_thread{1};
+    thread_local const std::uint64_t id = next_thread.fetch_add(1);
+    auto it = gpu.per_thread_streams.find(id);
+    if (it == gpu.per_thread_streams.end()) {
+      const stream_t host = gpu.device->create_stream(/*non_blocking=*/false);
+      try {
+        it = gpu.per_thread_streams.emplace(id, host).first;
+      } catch (...) {
+        gpu.device->destroy_stream(host);
+        throw;
+      }
+    }
+    return {&gpu, it->second};
+  }
   auto it = streams_.find(value);
+  check_not_destroyed_stream(value, "a driver call");
   if (it == streams_.end())
     fail(CUDA_ERROR_INVALID_HANDLE,
          "stream " + hex(value) + " is not a live stream (never created, or destroyed)");
@@ -249,6 +284,8 @@ void Emulator::reset() {
     host_blocks_.clear();
     streams_.clear();
     events_.clear();
+    destroyed_streams_.clear();
+    misuses_.clear();
     initialized_ = false;
     faults_.clear();
     counts_.reset();
@@ -290,6 +327,10 @@ void Emulator::configure_device(int ordinal, std::size_t capacity, std::size_t g
                           granularity ? granularity : config_.granularity);
     old = std::move(gpus_[static_cast<std::size_t>(ordinal)]);
     gpus_[static_cast<std::size_t>(ordinal)] = std::move(fresh);
+    // A fresh device: the misuses reported for the old one go with it.
+    misuses_.erase(std::remove_if(misuses_.begin(), misuses_.end(),
+                                  [&](const auto& m) { return m.first == ordinal; }),
+                   misuses_.end());
   }
 }
 

@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "entry_point.hpp"
@@ -55,6 +56,11 @@ struct Gpu {
   std::shared_ptr<HostDevice> device;
   CUcontext context = nullptr;  // the primary context's handle
   int primary_refs = 0;         // cuDevicePrimaryCtxRetain minus Release
+  // CU_STREAM_PER_THREAD: each host thread's own default stream, made on first use (a
+  // blocking stream: ordered with the legacy default stream, as on a GPU). Not counted as a
+  // created stream; it lives as long as the device.
+  // Keyed by a number unique to each thread of the process (thread ids are reused).
+  std::map<std::uint64_t, stream_t> per_thread_streams;
 };
 
 // Counts of what one emulated GPU holds (see VmallocEmulatorDeviceState in control.cpp).
@@ -130,6 +136,11 @@ class Emulator {
   std::map<void*, HostBlock>& host_blocks() { return host_blocks_; }
   std::map<std::uintptr_t, Stream>& streams() { return streams_; }
   std::map<std::uintptr_t, Event>& events() { return events_; }
+  // Notes a stream just destroyed (its handle is never reused): later uses are misuses.
+  void note_destroyed_stream(std::uintptr_t handle, int ordinal);
+  // Fails (CUDA_ERROR_INVALID_HANDLE) and records the misuse if `handle` is a destroyed
+  // stream's; returns otherwise.
+  void check_not_destroyed_stream(std::uintptr_t handle, const char* what);
   CUmemGenericAllocationHandle next_allocation_handle() { return next_allocation_handle_++; }
   std::uintptr_t next_stream_handle();
   std::uintptr_t next_event_handle();
@@ -138,8 +149,10 @@ class Emulator {
   // naming `what` when no reservation made through this driver contains it.
   std::map<CUdeviceptr, Reservation>::iterator reservation_containing(CUdeviceptr ptr,
                                                                       const char* what);
-  // A stream handle (0, CU_STREAM_LEGACY and CU_STREAM_PER_THREAD are the current context's
-  // default stream) as its GPU and HostDevice stream; CUDA_ERROR_INVALID_HANDLE if unknown.
+  // A stream handle (0 and CU_STREAM_LEGACY are the current context's default stream,
+  // CU_STREAM_PER_THREAD the calling thread's per-thread default stream) as its GPU and
+  // HostDevice stream; CUDA_ERROR_INVALID_HANDLE if unknown. A destroyed stream's handle
+  // fails too, and the use is recorded in the leak report: on a GPU it is undefined.
   std::pair<Gpu*, stream_t> resolve_stream(CUstream stream);
   Event& resolve_event(CUevent event);
 
@@ -183,6 +196,8 @@ class Emulator {
   std::map<void*, HostBlock> host_blocks_;
   std::map<std::uintptr_t, Stream> streams_;
   std::map<std::uintptr_t, Event> events_;
+  std::map<std::uintptr_t, int> destroyed_streams_;     // handle -> ordinal
+  std::vector<std::pair<int, std::string>> misuses_;    // ordinal, what was done
 
   CallCounts counts_;
   FaultPlan faults_;

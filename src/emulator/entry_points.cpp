@@ -626,12 +626,18 @@ VMALLOC_EMULATOR_EXPORT CUresult cuStreamDestroy_v2(CUstream stream) {
     const std::uintptr_t value = value_of(stream);
     if (value == 0 || value == CU_STREAM_LEGACY || value == CU_STREAM_PER_THREAD)
       fail(CUDA_ERROR_INVALID_HANDLE, "the default stream cannot be destroyed");
+    e.check_not_destroyed_stream(value, "cuStreamDestroy");
     auto it = e.streams().find(value);
     if (it == e.streams().end())
       fail(CUDA_ERROR_INVALID_HANDLE,
            "stream " + hex(value) + " is not a live stream (never created, or destroyed)");
     e.gpu(it->second.ordinal).device->destroy_stream(it->second.host);
+    const int ordinal = it->second.ordinal;
     e.streams().erase(it);
+    try {
+      e.note_destroyed_stream(value, ordinal);
+    } catch (...) {
+    }
     return CUDA_SUCCESS;
   });
 }

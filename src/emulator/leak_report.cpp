@@ -43,6 +43,8 @@ std::string Emulator::leak_report(int only) {
     for (const auto& [handle, e] : events_)
       if (e.ordinal == ordinal)
         line(ordinal, "event " + hex(handle) + " not destroyed (cuEventDestroy)");
+    for (const auto& [misused_on, what] : misuses_)
+      if (misused_on == ordinal) line(ordinal, "misuse: " + what);
   }
   return out;
 }

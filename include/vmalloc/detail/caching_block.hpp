@@ -41,9 +41,13 @@ struct CachingBlock {
 };
 
 struct CachingSegment {
-  // A fixed segment: one device allocation of `size` bytes (cudaMalloc).
-  CachingSegment(Device& device, std::size_t size, bool small_, stream_t stream_)
-      : memory(std::make_unique<SegmentMemory>(device, size)), small(small_), stream(stream_) {}
+  // A fixed segment: one device allocation of `size` bytes (cudaMalloc). What a failed
+  // rollback leaves goes to `leftovers` (see SegmentMemory).
+  CachingSegment(Device& device, std::size_t size, bool small_, stream_t stream_,
+                 std::vector<std::unique_ptr<SegmentMemory>>* leftovers = nullptr)
+      : memory(std::make_unique<SegmentMemory>(device, size, leftovers)),
+        small(small_),
+        stream(stream_) {}
   // An expandable segment: `size` bytes of address space mapped in pages of `page_size`.
   CachingSegment(Device& device, std::size_t size, std::size_t page_size, bool small_,
                  stream_t stream_)

@@ -42,6 +42,10 @@ struct ChunkReservation {
   std::size_t mapped = 0;                // slots holding a chunk
   std::size_t unbacked = 0;              // live ranges here without chunks: keep the range
   std::vector<physical_handle> handles;  // per slot; 0 = unmapped
+  // A new reservation whose mapping failed and whose rollback failed too: its first `mapped`
+  // slots hold chunks (not accessible, in no range) that the allocator still owns;
+  // release_cached() retries the teardown, the destructor does it.
+  bool quarantined = false;
   // The range starting / ending at each slot. Entries inside or outside current ranges may
   // be stale: read them only through range_starting_at / range_ending_at, which check.
   std::vector<ChunkRange*> head;

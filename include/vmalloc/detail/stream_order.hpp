@@ -4,10 +4,16 @@
 // deallocate(ptr, n, stream) makes memory reusable at once on `stream`: later work there is
 // ordered after the work that used it. Another stream, or cuMemUnmap, must wait for the work
 // queued on the freeing stream before the free. PendingWork records that: the freeing stream
-// and, once the allocator has seen a second stream, an event recorded at free time. While only
-// one stream is in use no event is recorded, so the single-stream cache-hit path makes no
-// driver call at all; a range freed before a second stream appeared gets its event recorded
-// on the freeing stream at the moment it is needed, which covers at least the free-time work.
+// and an event recorded at free time -- except while the default stream 0 is the only stream
+// in use: then no event is recorded, so the single-stream cache-hit path makes no driver call
+// at all, and a range freed that way gets its event recorded on stream 0 at the moment it is
+// needed, which covers at least the free-time work. Only stream 0 may be used after the free
+// like this: it can never be destroyed, while any other stream's owner may destroy it right
+// after the free, and using a destroyed handle is undefined on a GPU.
+//
+// CU_STREAM_PER_THREAD (0x2) is a different stream on each host thread: the allocators key it
+// with the calling thread (stream_key) so that two threads' per-thread streams are two
+// streams here, and StreamOrder passes the handle 0x2 to the device only from that thread.
 //
 // Events come from a refcounted pool (split ranges share their event), so after warm-up no
 // event is created. Not thread-safe: used under the allocator's mutex.
@@ -26,6 +32,23 @@ namespace vmalloc::detail {
 
 inline constexpr std::uint32_t no_event = 0xFFFFFFFFu;
 
+inline constexpr stream_t cu_stream_legacy = 0x1;      // CU_STREAM_LEGACY
+inline constexpr stream_t cu_stream_per_thread = 0x2;  // CU_STREAM_PER_THREAD
+inline constexpr stream_t per_thread_key_tag = stream_t(1) << (sizeof(stream_t) * 8 - 1);
+
+// A small number unique to the calling thread (never reused in the process).
+std::uintptr_t stream_thread_index() noexcept;
+// The identity of a stream argument: CU_STREAM_PER_THREAD keyed with the calling thread,
+// every other handle itself.
+inline stream_t stream_key(stream_t stream) noexcept {
+  return stream == cu_stream_per_thread ? (per_thread_key_tag | stream_thread_index()) : stream;
+}
+// The handle to pass to the device for a stream key (valid for a per-thread key only on its
+// own thread).
+inline stream_t stream_handle_of(stream_t key) noexcept {
+  return (key & per_thread_key_tag) != 0 ? cu_stream_per_thread : key;
+}
+
 // What may still be running on a freed range. `idle` means nothing: reusable by any stream and
 // unmappable without waiting.
 struct PendingWork {
@@ -42,7 +65,7 @@ class StreamOrder {
   StreamOrder(const StreamOrder&) = delete;
   StreamOrder& operator=(const StreamOrder&) = delete;
 
-  // Notes a stream seen at allocate(). Cheap: no driver call.
+  // Notes a stream seen at allocate() (a stream key, see stream_key). Cheap: no driver call.
   void note_stream(stream_t stream) noexcept {
     if (!have_first_) {
       first_stream_ = stream;
@@ -53,10 +76,10 @@ class StreamOrder {
   }
   bool multi_stream() const noexcept { return multi_stream_; }
 
-  // The work of a free on `stream` now. Records an event when more than one stream is in use
-  // (may throw DeviceError, e.g. an unknown stream, and then changes nothing).
+  // The work of a free on `stream` now. Records an event unless stream 0 is the only stream in
+  // use (may throw DeviceError, e.g. an unknown stream, and then changes nothing).
   PendingWork on_free(stream_t stream) {
-    if (!multi_stream_ && have_first_ && stream == first_stream_) {  // the common case
+    if (stream == 0 && !multi_stream_ && have_first_ && first_stream_ == 0) {  // the common case
       PendingWork work;
       work.stream = stream;
       work.seq = ++seq_;
@@ -143,6 +166,7 @@ class StreamOrder {
   stream_t first_stream_ = 0;
   bool have_first_ = false;
   bool multi_stream_ = false;
+  std::uint64_t synced_seq_ = 0;  // every free up to this seq was done at a device synchronize
 };
 
 }  // namespace vmalloc::detail
