@@ -387,7 +387,20 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size) {
   const std::size_t page = memory.page_size();
   const std::size_t first = (to_map->ptr - s->ptr()) / page;
   const std::size_t last = (to_map->ptr + size - s->ptr() + page - 1) / page;
-  if (!memory.map(first, last)) return false;  // the device is out of memory
+  // Pages stuck by a failed rollback hold memory: counted in reserved bytes while stuck.
+  const std::size_t stuck_before = memory.stuck_bytes();
+  bool ok;
+  try {
+    ok = memory.map(first, last);
+  } catch (...) {
+    stats_.reserved_bytes += memory.stuck_bytes() - stuck_before;
+    throw;
+  }
+  if (!ok) {  // the device is out of memory
+    stats_.reserved_bytes += memory.stuck_bytes() - stuck_before;
+    return false;
+  }
+  const std::size_t reused = stuck_before - memory.stuck_bytes();  // already counted
   const std::size_t mapped = (last - first) * page;
 
   unmapped_of(*s).erase(to_map);
@@ -401,7 +414,7 @@ bool CachingAllocator::map_block(Block* to_map, std::size_t size) {
     to_map->size = mapped;
   }
   return_to_pool(to_map);  // merges with free mapped neighbours, into the pool
-  stats_.reserved_bytes += mapped;
+  stats_.reserved_bytes += mapped - reused;
   ++segments_created_;  // PyTorch counts each map in num_device_alloc
   note_peaks();
   return true;
@@ -477,7 +490,9 @@ std::size_t CachingAllocator::release_expandable(std::vector<Block*> blocks) {
     Segment* s = b->segment;
     if (!b->mapped && s->unsplit()) {
       // PyTorch's release_expandable_segment: nothing mapped is left; free the reservation.
+      const std::size_t stuck = s->expandable->stuck_bytes();
       s->expandable->free();  // may throw DeviceError: the segment then stays, unmapped
+      stats_.reserved_bytes -= stuck;
       unmapped_of(*s).erase(b);
       segments_.erase(s->ptr());
     }

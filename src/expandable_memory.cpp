@@ -20,30 +20,43 @@ ExpandableMemory::~ExpandableMemory() {
 
 bool ExpandableMemory::map(std::size_t first, std::size_t last) {
   if (pages_.size() < last) pages_.resize(last);
-  std::size_t created = first;
-  std::size_t mapped = first;
+  // Stuck pages in the range are mapped already: reused, not created or mapped again.
+  std::vector<std::size_t> fresh;
+  fresh.reserve(last - first);
+  for (std::size_t i = first; i < last; ++i)
+    if (!pages_[i].stuck) fresh.push_back(i);
+  std::size_t created = 0;
+  std::size_t mapped = 0;
   auto undo = [&] {
-    for (std::size_t i = first; i < mapped; ++i) {
+    for (std::size_t k = 0; k < mapped; ++k) {
+      Page& p = pages_[fresh[k]];
       try {
-        device_.unmap(ptr_ + i * page_, page_);
+        device_.unmap(ptr_ + fresh[k] * page_, page_);
+        p.mapped = false;
       } catch (...) {
+        // Still mapped: keep it (and its memory) as stuck rather than forget it.
+        p.stuck = true;
+        ++stuck_pages_;
       }
-      pages_[i].mapped = false;
     }
-    for (std::size_t i = first; i < created; ++i) {
+    for (std::size_t k = 0; k < created; ++k) {
+      Page& p = pages_[fresh[k]];
+      if (p.stuck) continue;
       try {
-        device_.release(pages_[i].handle);
+        device_.release(p.handle);
       } catch (...) {
       }
-      pages_[i].handle = 0;
+      p.handle = 0;
     }
   };
   try {
     // One cuMemCreate per page; out of memory releases what this call created.
-    for (; created < last; ++created) pages_[created].handle = device_.create(page_);
-    for (; mapped < last; ++mapped) {
-      device_.map(ptr_ + mapped * page_, page_, pages_[mapped].handle);
-      pages_[mapped].mapped = true;
+    for (; created < fresh.size(); ++created)
+      pages_[fresh[created]].handle = device_.create(page_);
+    for (; mapped < fresh.size(); ++mapped) {
+      const std::size_t i = fresh[mapped];
+      device_.map(ptr_ + i * page_, page_, pages_[i].handle);
+      pages_[i].mapped = true;
     }
     device_.set_access(ptr_ + first * page_, (last - first) * page_);
   } catch (const OutOfMemory&) {
@@ -52,6 +65,12 @@ bool ExpandableMemory::map(std::size_t first, std::size_t last) {
   } catch (...) {
     undo();
     throw;
+  }
+  for (std::size_t i = first; i < last; ++i) {
+    if (pages_[i].stuck) {
+      pages_[i].stuck = false;
+      --stuck_pages_;
+    }
   }
   mapped_pages_ += last - first;
   return true;
@@ -87,6 +106,18 @@ void ExpandableMemory::unmap(std::size_t first, std::size_t last, std::size_t& d
 void ExpandableMemory::free() {
   for (std::size_t i = 0; i < pages_.size(); ++i) {
     if (!pages_[i].mapped) continue;
+    if (pages_[i].stuck) {
+      device_.unmap(ptr_ + i * page_, page_);  // throws: still stuck, kept
+      pages_[i].mapped = false;
+      pages_[i].stuck = false;
+      --stuck_pages_;
+      try {
+        device_.release(pages_[i].handle);
+      } catch (...) {
+      }
+      pages_[i].handle = 0;
+      continue;
+    }
     std::size_t done = 0;
     unmap(i, i + 1, done);
   }

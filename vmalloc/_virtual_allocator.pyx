@@ -414,6 +414,7 @@ cdef class VirtualAllocator(Allocator):
     # --- the swap primitives (chunks placement; see :doc:`swap_manager`) ---
 
     cdef CVirtualAllocator* chunks_only(self, what) except NULL:
+        self.get()  # RuntimeError for an uninitialised wrapper
         if not self.c_virtual:
             raise_invalid(f'{what} applies to placement="chunks" only: packed allocations '
                           f'share chunks (the SwapManager relocates them)')
@@ -425,7 +426,12 @@ cdef class VirtualAllocator(Allocator):
         if self.c_packed:
             self.allocation_size(ptr)  # InvalidPointerError for a pointer not live here
             return False
-        return self.c_virtual.get().owns_chunks(ptr)
+        cdef CVirtualAllocator* a = self.chunks_only("owns_chunks")
+        cdef uint64_t p = ptr
+        cdef bool owns
+        with nogil:  # it takes the allocator's lock: never wait for it holding the GIL
+            owns = a.owns_chunks(p)
+        return owns
 
     def unmap_backing(self, ptr, stream=0, synchronize=True):
         """Unmaps the chunks of the live chunk-owning allocation at ``ptr`` (they return to

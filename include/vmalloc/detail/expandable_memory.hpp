@@ -28,10 +28,15 @@ class ExpandableMemory {
   ExpandableMemory(const ExpandableMemory&) = delete;
   ExpandableMemory& operator=(const ExpandableMemory&) = delete;
 
-  // Creates, maps and opens pages [first, last), all currently unmapped. Returns false with
-  // nothing changed when the device is out of memory (PyTorch releases the pages it created
-  // and reports a failed map); other failures are rolled back and rethrown.
+  // Creates, maps and opens pages [first, last), all currently unmapped (or stuck, see
+  // stuck_bytes: those are reused as they are). Returns false with nothing changed when the
+  // device is out of memory (PyTorch releases the pages it created and reports a failed map);
+  // other failures are rolled back and rethrown.
   bool map(std::size_t first, std::size_t last);
+  // Pages whose unmap failed during a rollback: still mapped (not accessible) and holding
+  // their physical memory, so they are kept, not forgotten; a later map() over them reuses
+  // them and free() releases them.
+  std::size_t stuck_bytes() const noexcept { return stuck_pages_ * page_; }
   // Unmaps and releases pages [first, last), all mapped. `done` counts the pages unmapped,
   // also when a driver call throws part way (those pages are gone; the rest stay mapped).
   void unmap(std::size_t first, std::size_t last, std::size_t& done);
@@ -55,9 +60,11 @@ class ExpandableMemory {
   struct Page {
     physical_handle handle = 0;
     bool mapped = false;
+    bool stuck = false;  // mapped by a map() whose rollback could not unmap it
   };
   std::vector<Page> pages_;  // grown on demand, like PyTorch's handles_
-  std::size_t mapped_pages_ = 0;
+  std::size_t mapped_pages_ = 0;  // mapped and usable (stuck pages not included)
+  std::size_t stuck_pages_ = 0;
 };
 
 }  // namespace vmalloc::detail
