@@ -19,6 +19,9 @@
 
 #include "vmalloc/replay.hpp"
 
+// The scanners' inner functions are not exported: direct calls the compiler can inline.
+#define VMALLOC_TRACE_PARSE_INTERNAL __attribute__((visibility("hidden")))
+
 namespace vmalloc::trace_parse {
 
 using Events = std::vector<TraceEvent>;
@@ -32,8 +35,8 @@ class RmmCsvParser {
   std::uint64_t allocate_failures() const { return failures_; }
 
  private:
-  bool line(const char* b, const char* e, Events& out);
-  bool header(const char* b, const char* e);
+  VMALLOC_TRACE_PARSE_INTERNAL bool line(const char* b, const char* e, Events& out);
+  VMALLOC_TRACE_PARSE_INTERNAL bool header(const char* b, const char* e);
   std::string carry_;
   bool have_header_ = false;
   std::vector<std::string> columns_;
@@ -58,15 +61,15 @@ class KinetoScanner {
 
  private:
   enum class R { ok, more, bail };
-  R run(Events& out);
-  R ws(std::size_t& p);
-  R value(std::size_t& p, int depth);
-  R string(std::size_t& p, bool& escaped);
-  R number(std::size_t& p, bool& integer);
-  R literal(std::size_t& p, const char* word, std::size_t len);
-  R event(std::size_t& p, Events& out);
-  R member(std::size_t& p);
-  void count_device(std::int64_t type, std::int64_t id);
+  VMALLOC_TRACE_PARSE_INTERNAL R run(Events& out);
+  VMALLOC_TRACE_PARSE_INTERNAL R ws(std::size_t& p);
+  VMALLOC_TRACE_PARSE_INTERNAL R value(std::size_t& p, int depth);
+  VMALLOC_TRACE_PARSE_INTERNAL R string(std::size_t& p, bool& escaped);
+  VMALLOC_TRACE_PARSE_INTERNAL R number(std::size_t& p, bool& integer);
+  VMALLOC_TRACE_PARSE_INTERNAL R literal(std::size_t& p, const char* word, std::size_t len);
+  VMALLOC_TRACE_PARSE_INTERNAL R event(std::size_t& p, Events& out);
+  VMALLOC_TRACE_PARSE_INTERNAL R member(std::size_t& p);
+  VMALLOC_TRACE_PARSE_INTERNAL void count_device(std::int64_t type, std::int64_t id);
 
   std::int64_t want_type_, want_id_;
   std::string buf_;

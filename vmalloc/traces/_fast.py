@@ -15,6 +15,8 @@ environment turns the fast path off.
 import itertools
 import json
 import os
+import queue
+import threading
 import zlib
 
 import numpy as np
@@ -54,22 +56,25 @@ def _run(reader, fast):
     """Feeds ``fast`` every raw record of the file; yields after each block. Leaves
     ``reader.metadata`` and ``reader.skipped`` as the Python reader's pass would."""
     ok = True
+    buffer = bytearray(BLOCK)  # one buffer, refilled: no allocation per block
+    view = memoryview(buffer)
     with open_binary(reader.path) as f:
         first = True
         while True:
             try:
-                block = f.read(BLOCK)
+                n = f.readinto(view)
             except (OSError, EOFError, zlib.error):  # the Python reader words it
                 ok = False
                 break
+            block = view[:n]
             if first:
                 first = False
-                if block.startswith(_BOM):
+                if block[:3] == _BOM:
                     block = block[len(_BOM):]
-                elif len(block) < len(_BOM) and _BOM.startswith(block) and block:
+                elif len(block) < len(_BOM) and _BOM.startswith(block) and len(block):
                     ok = False  # a cut BOM: let the Python reader decide
                     break
-            if not block:
+            if not len(block):
                 ok = fast.finish()
                 break
             if not fast.feed(block):
@@ -127,19 +132,56 @@ def live_before(reader):
     return fast.before_window()
 
 
+def _produce(reader, fast, live, out, stop):
+    """The reading thread: puts full batches of normalized events on ``out``, then None (or
+    the exception that ended the pass)."""
+
+    def put(item):
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    try:
+        fast.live_before(live_before(reader) if live else {})
+        for _ in itertools.chain((None,), _run(reader, fast)):
+            while fast.pending() >= BATCH_EVENTS:
+                if not put(fast.take(BATCH_EVENTS)):
+                    return
+        while fast.pending():
+            if not put(fast.take(BATCH_EVENTS)):
+                return
+        put(None)
+    except BaseException as error:  # handed to the consumer, raised there
+        put(error)
+
+
 def normalized_batches(reader, info, live):
     """:func:`~vmalloc.traces._normalize.normalized_batches` over ``reader.records()`` (with
-    ``reader.live_before()`` first if ``live``), event for event and counter for counter."""
-    before = live_before(reader) if live else None
+    ``reader.live_before()`` first if ``live``), event for event and counter for counter.
+
+    The file is read and normalized in a thread (the C++ side runs without the GIL), a few
+    batches ahead of the consumer, so reading overlaps the replay."""
     fast = _new_pass(reader, scan=False)
-    fast.live_before(before or {})
-    while fast.pending() >= BATCH_EVENTS:
-        yield fast.take(BATCH_EVENTS)
-    for _ in _run(reader, fast):
-        while fast.pending() >= BATCH_EVENTS:
-            yield fast.take(BATCH_EVENTS)
-    while fast.pending():
-        yield fast.take(BATCH_EVENTS)
+    out = queue.Queue(maxsize=4)
+    stop = threading.Event()
+    thread = threading.Thread(target=_produce, args=(reader, fast, live, out, stop),
+                              name="vmalloc-trace-reader", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = out.get()
+            if item is None:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()
     skipped, counters = fast.counters()
     for reason, count in skipped:
         info.skip(reason, count)
