@@ -21,6 +21,7 @@ import zlib
 
 import numpy as np
 
+from vmalloc.traces import _normalize
 from vmalloc.traces._files import open_binary
 from vmalloc.traces._record_reader import RecordReaderPass
 from vmalloc.traces.events import BATCH_EVENTS, EVENT_DTYPE
@@ -145,14 +146,15 @@ def _produce(reader, fast, live, out, stop):
                 pass
         return False
 
+    batch = _normalize.BATCH_EVENTS  # one setting for both paths
     try:
         fast.live_before(live_before(reader) if live else {})
         for _ in itertools.chain((None,), _run(reader, fast)):
-            while fast.pending() >= BATCH_EVENTS:
-                if not put(fast.take(BATCH_EVENTS)):
+            while fast.pending() >= batch:
+                if not put(fast.take(batch)):
                     return
         while fast.pending():
-            if not put(fast.take(BATCH_EVENTS)):
+            if not put(fast.take(batch)):
                 return
         put(None)
     except BaseException as error:  # handed to the consumer, raised there
