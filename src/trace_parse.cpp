@@ -328,6 +328,17 @@ KinetoScanner::R KinetoScanner::string(std::size_t& p, bool& escaped) {
   escaped = false;
   ++p;
   for (;;) {
+    // Eight bytes at a time while none is special (a quote, a backslash, a control byte or
+    // non-ASCII), then byte by byte.
+    constexpr std::uint64_t ones = 0x0101010101010101ull, highs = 0x8080808080808080ull;
+    while (p + 8 <= n) {
+      std::uint64_t x;
+      std::memcpy(&x, d + p, 8);
+      std::uint64_t q = x ^ (ones * '"'), b = x ^ (ones * '\\');
+      std::uint64_t hit = ((q - ones) & ~q) | ((b - ones) & ~b) | (x - ones * 0x20) | x;
+      if (hit & highs) break;
+      p += 8;
+    }
     while (p < n && !json_table.special[d[p]]) ++p;
     if (p >= n) return eof_ ? R::bail : R::more;
     unsigned char c = d[p];
@@ -813,7 +824,11 @@ void Normalizer::feed(const TraceEvent* records, std::size_t n) {
       ++frees;
       live_bytes -= size;
     }
-    streams_.insert(r.stream);
+    if (!have_last_stream_ || r.stream != last_stream_) {
+      streams_.insert(r.stream);
+      last_stream_ = r.stream;
+      have_last_stream_ = true;
+    }
     pending.push_back(make_event(r.op, r.stream, r.addr, size));
   }
 }

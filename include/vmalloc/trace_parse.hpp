@@ -115,6 +115,8 @@ class Normalizer {
   void skip(Reason r);
   std::unordered_map<std::uint64_t, std::uint64_t> live_;
   std::unordered_set<std::uint64_t> streams_;
+  std::uint64_t last_stream_ = 0;  // streams_ holds it: most events are on the same stream
+  bool have_last_stream_ = false;
 };
 
 // vmalloc/traces/_normalize.py's scan_before_window: frees of addresses first seen freed.
