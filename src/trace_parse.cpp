@@ -489,7 +489,7 @@ KinetoScanner::R KinetoScanner::value(std::size_t& p, int depth) {
 KinetoScanner::R KinetoScanner::event(std::size_t& p, Events& out) {
   if (buf_[p] != '{') return R::bail;  // "a trace event is not a JSON object"
   Field name, args, ts;
-  Field type, id, addr, bytes;
+  Field type, id, addr, bytes, allocated, reserved;
   ++p;
   R r = ws(p);
   if (r != R::ok) return r;
@@ -540,7 +540,7 @@ KinetoScanner::R KinetoScanner::event(std::size_t& p, Events& out) {
         // for every repeated key).
         args = Field();
         args.kind = Field::object;
-        type = id = addr = bytes = Field();
+        type = id = addr = bytes = allocated = reserved = Field();
         ++p;
         if ((r = ws(p)) != R::ok) return r;
         if (buf_[p] == '}') {
@@ -563,6 +563,8 @@ KinetoScanner::R KinetoScanner::event(std::size_t& p, Events& out) {
             else if (string_is(a0, a1, aesc, "Bytes", 5)) f = &bytes;
             else if (string_is(a0, a1, aesc, "Device Type", 11)) f = &type;
             else if (string_is(a0, a1, aesc, "Device Id", 9)) f = &id;
+            else if (string_is(a0, a1, aesc, "Total Allocated", 15)) f = &allocated;
+            else if (string_is(a0, a1, aesc, "Total Reserved", 14)) f = &reserved;
             if ((r = read_field(p, *f, 2)) != R::ok) return r;
             if ((r = ws(p)) != R::ok) return r;
             char x = buf_[p++];
@@ -574,7 +576,7 @@ KinetoScanner::R KinetoScanner::event(std::size_t& p, Events& out) {
       } else if (string_is(k0, k1, kesc, "args", 4)) {
         args = Field();
         r = read_field(p, args, 1);
-        type = id = addr = bytes = Field();
+        type = id = addr = bytes = allocated = reserved = Field();
       } else {
         r = value(p, 1);
       }
@@ -600,12 +602,20 @@ KinetoScanner::R KinetoScanner::event(std::size_t& p, Events& out) {
   if (id.kind != Field::none && (id.kind != Field::integer || !token_int64(id.b, id.e, did)))
     return R::bail;
   count_device(dtype, did);
+  if (want_type_ == count_devices) return R::ok;
   if (dtype != want_type_ || (want_id_ >= 0 && did != want_id_)) return R::ok;
   std::uint64_t a, mag;
   bool neg;
   if (addr.kind != Field::integer || !token_magnitude(addr.b, addr.e, neg, a)) return R::bail;
   if (neg && a != 0) return R::bail;  // "'Addr' must be an integer in [0, 2**64)"
   if (bytes.kind != Field::integer || !token_magnitude(bytes.b, bytes.e, neg, mag)) return R::bail;
+  // PyTorch's counters: integers only (as type(...) is int); beyond int64 the Python reader.
+  std::int64_t total_allocated = 0, total_reserved = 0;
+  if (allocated.kind == Field::integer &&
+      !token_int64(allocated.b, allocated.e, total_allocated))
+    return R::bail;
+  if (reserved.kind == Field::integer && !token_int64(reserved.b, reserved.e, total_reserved))
+    return R::bail;
   if (ts.kind == Field::integer || ts.kind == Field::floating || ts.kind == Field::boolean) {
     double t;
     if (ts.kind == Field::boolean) {
@@ -624,6 +634,21 @@ KinetoScanner::R KinetoScanner::event(std::size_t& p, Events& out) {
     have_ts_ = true;
   }
   ++matched;
+  if (allocated.kind == Field::integer) {
+    if (!have_allocated) {
+      first_allocated = total_allocated;
+      first_bytes_negative = neg;
+      first_bytes = mag;
+      peak_allocated = total_allocated;
+      have_allocated = true;
+    } else if (total_allocated > peak_allocated) {
+      peak_allocated = total_allocated;
+    }
+  }
+  if (reserved.kind == Field::integer && (!have_reserved || total_reserved > peak_reserved)) {
+    peak_reserved = total_reserved;
+    have_reserved = true;
+  }
   if (mag == 0) {
     ++zero_bytes;
   } else {
@@ -750,7 +775,8 @@ bool KinetoScanner::finish(Events& out) {
   eof_ = true;
   if (run(out) != R::ok) return false;
   if (state_ != s_end) return false;
-  if (devices.empty() || matched == 0) return false;  // the Python reader words the error
+  if (devices.empty()) return false;  // the Python reader words the error
+  if (matched == 0 && want_type_ != count_devices) return false;
   return true;
 }
 
@@ -768,6 +794,7 @@ void Normalizer::live_before(const TraceEvent* events, std::size_t n) {
       continue;
     }
     live_[e.addr] = e.size;
+    synthetic_.insert(e.addr);
     streams_.insert(e.stream);
     pending.push_back(make_event(TraceEvent::op_alloc, e.stream, e.addr, e.size));
     ++synthetic_allocs;
@@ -795,6 +822,7 @@ void Normalizer::feed(const TraceEvent* records, std::size_t n) {
       }
       auto [it, inserted] = live_.try_emplace(r.addr, size);
       if (!inserted) {
+        if (!synthetic_.empty()) synthetic_.erase(r.addr);
         ++implicit_frees;
         ++frees;
         live_bytes -= it->second;
@@ -821,6 +849,10 @@ void Normalizer::feed(const TraceEvent* records, std::size_t n) {
       live_.erase(it);
       if (size && size != allocated) ++free_size_mismatches;
       size = allocated;
+      if (!synthetic_.empty() && synthetic_.erase(r.addr)) {
+        ++frees_before_window;
+        free_before_window_bytes += size;
+      }
       ++frees;
       live_bytes -= size;
     }

@@ -62,17 +62,35 @@ def test_shipped_profiler_trace(block):
     assert outcome(DATA / "profiler_cpu_mlp.json", python=False, device="cpu")[0] == "ok"
 
 
-def test_fast_path_is_taken(monkeypatch):
-    """The shipped profiler trace and a plain RMM log never fall back to Python."""
+def test_fast_path_is_taken(monkeypatch, tmp_path):
+    """The shipped profiler trace and a plain RMM log never fall back to Python: nor does
+    the device="auto" discovery pass or the before_window="live" scan."""
     from vmalloc.traces import kineto, rmm_csv
 
-    def refuse(self):
+    def refuse(self, *args):
         raise AssertionError("fell back to the Python reader")
         yield
 
     monkeypatch.setattr(kineto.KinetoReader, "records", refuse)
+    monkeypatch.setattr(kineto, "JsonEventScanner", refuse)
     monkeypatch.setattr(rmm_csv.RmmCsvReader, "records", refuse)
-    assert len(open_trace(DATA / "profiler_cpu_mlp.json", device="cpu").events()) > 0
+    for before_window in ("drop", "live"):
+        assert len(open_trace(DATA / "profiler_cpu_mlp.json", device="cpu",
+                              before_window=before_window).events()) > 0
+    event = ('{{"name": "[memory]", "ts": {0}, "args": {{"Device Type": 1, "Device Id": 1, '
+             '"Addr": {1}, "Bytes": {2}, "Total Allocated": {3}, "Total Reserved": 8192}}}}')
+    path = tmp_path / "gpu.json"
+    path.write_text('{"traceEvents": [' + ", ".join([
+        event.format(1, 4096, -512, 2048), event.format(2, 8192, 1024, 3072)]) + "]}")
+    trace = open_trace(path)  # device "auto", before_window "auto" (live)
+    assert trace.device == "cuda:1"
+    assert len(trace.events()) == 4  # the free's block, the rest of Total Allocated, 2 events
+    assert trace.info.frees_before_window == 1
+    assert trace.info.metadata["allocated_before_window_bytes"] == 2560
+    assert trace.info.metadata["recorded_peak_allocated_bytes"] == 3072
+    assert trace.info.metadata["recorded_peak_reserved_bytes"] == 8192
+    monkeypatch.undo()
+    assert_same(path)
 
 
 def test_rmm_plain_and_gz(tmp_path, block):
@@ -176,7 +194,10 @@ def kineto_traces(draw):
         args["Addr"] = addr
         args["Bytes"] = draw(st.one_of(st.sampled_from([512, -512, 1024, -1024, 0, 2**64 - 1,
                                                         -(2**64 - 1)]), _INTS))
-        args["Total Allocated"] = 0
+        if draw(st.integers(0, 4)):
+            args["Total Allocated"] = draw(st.one_of(st.integers(0, 1 << 20), _INTS))
+        if draw(st.booleans()):
+            args["Total Reserved"] = draw(st.one_of(st.integers(0, 1 << 20), _INTS))
         ts = draw(st.one_of(st.integers(0, 50), st.floats(0, 50, allow_nan=False), st.sampled_from(
             [True, None, "x", 2**60])))
         members = [f'"name": {name_text}', f'"ts": {json.dumps(ts)}',
@@ -210,7 +231,8 @@ def kineto_traces(draw):
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=kineto_traces(), block_size=st.sampled_from([1, 3, 64, 1 << 20]),
-       device=st.sampled_from([0, 1, "cpu"]), before_window=st.sampled_from(["drop", "live"]),
+       device=st.sampled_from([0, 1, "cpu", "auto"]),
+       before_window=st.sampled_from(["drop", "live", "auto"]),
        bom=st.booleans())
 def test_random_profiler_traces(tmp_path, monkeypatch, text, block_size, device, before_window, bom):
     monkeypatch.setattr(_fast, "BLOCK", block_size)

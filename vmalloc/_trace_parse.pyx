@@ -2,7 +2,7 @@
 """The C++ fast path of the RMM CSV and Kineto JSON readers and of their normalization
 (src/trace_parse.cpp), driven by :mod:`vmalloc.traces._fast`."""
 
-from libc.stdint cimport int64_t, uint8_t, uint64_t
+from libc.stdint cimport INT64_MIN, int64_t, uint8_t, uint64_t
 from libc.string cimport memcpy, memset
 from libcpp cimport bool
 from libcpp.string cimport string
@@ -36,6 +36,10 @@ cdef extern from "vmalloc/trace_parse.hpp" namespace "vmalloc::trace_parse" nogi
         vector[pair[string, string]] metadata
         vector[pair[pair[int64_t, int64_t], uint64_t]] devices
         uint64_t out_of_order, ooms, zero_bytes, matched
+        bool have_allocated, have_reserved
+        int64_t peak_allocated, peak_reserved, first_allocated
+        bool first_bytes_negative
+        uint64_t first_bytes
 
     cdef cppclass Normalizer:
         void live_before(const TraceEvent* events, size_t n)
@@ -44,6 +48,7 @@ cdef extern from "vmalloc/trace_parse.hpp" namespace "vmalloc::trace_parse" nogi
         uint64_t skipped[4]
         vector[int] reason_order
         uint64_t implicit_frees, unmatched_frees, free_size_mismatches, synthetic_allocs
+        uint64_t frees_before_window
         uint64_t allocs, frees, largest
         void wide(int which, uint64_t& hi, uint64_t& lo)
         size_t live_count()
@@ -89,12 +94,14 @@ cdef class Pass:
     cdef readonly uint64_t records
     cdef readonly object format
 
-    def __cinit__(self, format, int64_t want_type=0, int64_t want_id=-1, bint scan=False):
+    def __cinit__(self, format, want_type=0, int64_t want_id=-1, bint scan=False):
+        """``want_type`` None (kineto): the memory events are only counted by device."""
         self.format = format
         if format == "rmm_csv":
             self.csv = new RmmCsvParser()
         elif format == "kineto":
-            self.kineto = new KinetoScanner(want_type, want_id)
+            self.kineto = new KinetoScanner(
+                INT64_MIN if want_type is None else <int64_t>want_type, want_id)
         else:
             raise ValueError(f"no fast reader for {format!r}")
         if scan:
@@ -205,6 +212,8 @@ cdef class Pass:
             "free_size_mismatches": n.free_size_mismatches,
             "synthetic_allocs": n.synthetic_allocs,
             "synthetic_alloc_bytes": self._wide(1),
+            "frees_before_window": n.frees_before_window,
+            "free_before_window_bytes": self._wide(5),
             "allocs": n.allocs,
             "frees": n.frees,
             "events": n.allocs + n.frees,
@@ -220,12 +229,19 @@ cdef class Pass:
         """What the Python reader's pass leaves in ``reader.metadata`` and ``reader.skipped``,
         as raw parts: for rmm_csv ``(columns, allocate_failures)``, for kineto
         ``(metadata [(key JSON, value JSON)], devices [((type, id), count)], out_of_order,
-        ooms, zero_bytes)``."""
+        ooms, zero_bytes, recorded)`` where ``recorded`` is ``(peak Total Allocated, peak
+        Total Reserved, Total Allocated before the first event)``, each None when absent."""
         cdef vector[string] columns
         if self.csv != NULL:
             columns = self.csv.columns()
             return [c.decode() for c in columns], self.csv.allocate_failures()
         k = self.kineto
+        before = None
+        if k.have_allocated:
+            nbytes = -int(k.first_bytes) if k.first_bytes_negative else int(k.first_bytes)
+            before = max(0, int(k.first_allocated) - nbytes)
         return ([(p.first.decode(), p.second.decode()) for p in k.metadata],
                 [((d.first.first, d.first.second), d.second) for d in k.devices],
-                k.out_of_order, k.ooms, k.zero_bytes)
+                k.out_of_order, k.ooms, k.zero_bytes,
+                (int(k.peak_allocated) if k.have_allocated else None,
+                 int(k.peak_reserved) if k.have_reserved else None, before))

@@ -48,7 +48,9 @@ class RmmCsvParser {
 // The [memory] events of a chrome-trace JSON (vmalloc/traces/kineto.py, _json_stream.py).
 class KinetoScanner {
  public:
-  // want_id < 0: any device id of that type (CPU traces).
+  // want_id < 0: any device id of that type (CPU traces). want_type == count_devices: no
+  // device is read, the memory events are only counted by device (KinetoReader.devices).
+  static constexpr std::int64_t count_devices = INT64_MIN;
   KinetoScanner(std::int64_t want_type, std::int64_t want_id);
   bool feed(const char* data, std::size_t n, Events& out);
   bool finish(Events& out);
@@ -58,6 +60,12 @@ class KinetoScanner {
   // (device type, device id) -> memory events, in order of first appearance.
   std::vector<std::pair<std::pair<std::int64_t, std::int64_t>, std::uint64_t>> devices;
   std::uint64_t out_of_order = 0, ooms = 0, zero_bytes = 0, matched = 0;
+  // PyTorch's "Total Allocated" / "Total Reserved" of the device's events (JSON integers):
+  // the peaks, and the first event's Total Allocated with its Bytes (sign and magnitude).
+  bool have_allocated = false, have_reserved = false;
+  std::int64_t peak_allocated = 0, peak_reserved = 0, first_allocated = 0;
+  bool first_bytes_negative = false;
+  std::uint64_t first_bytes = 0;
 
  private:
   enum class R { ok, more, bail };
@@ -93,17 +101,19 @@ class Normalizer {
   std::uint64_t skipped[n_reasons] = {};
   std::vector<int> reason_order;  // reasons in order of first skip
   std::uint64_t implicit_frees = 0, unmatched_frees = 0, free_size_mismatches = 0;
-  std::uint64_t synthetic_allocs = 0;
+  std::uint64_t synthetic_allocs = 0, frees_before_window = 0;
   // Sums that Python keeps as unbounded ints: 128 bits here, read with wide().
   unsigned __int128 unmatched_free_bytes = 0, synthetic_alloc_bytes = 0, alloc_bytes = 0;
-  unsigned __int128 live_bytes = 0, peak = 0;
-  enum Wide { w_unmatched_free_bytes, w_synthetic_alloc_bytes, w_alloc_bytes, w_live_bytes, w_peak };
+  unsigned __int128 live_bytes = 0, peak = 0, free_before_window_bytes = 0;
+  enum Wide { w_unmatched_free_bytes, w_synthetic_alloc_bytes, w_alloc_bytes, w_live_bytes, w_peak,
+              w_free_before_window_bytes };
   void wide(int which, std::uint64_t& hi, std::uint64_t& lo) const {
     unsigned __int128 v = which == w_unmatched_free_bytes    ? unmatched_free_bytes
                           : which == w_synthetic_alloc_bytes ? synthetic_alloc_bytes
                           : which == w_alloc_bytes           ? alloc_bytes
                           : which == w_live_bytes            ? live_bytes
-                                                             : peak;
+                          : which == w_peak                  ? peak
+                                                             : free_before_window_bytes;
     hi = static_cast<std::uint64_t>(v >> 64);
     lo = static_cast<std::uint64_t>(v);
   }
@@ -114,6 +124,7 @@ class Normalizer {
  private:
   void skip(Reason r);
   std::unordered_map<std::uint64_t, std::uint64_t> live_;
+  std::unordered_set<std::uint64_t> synthetic_;  // synthetic ALLOCs not freed yet
   std::unordered_set<std::uint64_t> streams_;
   std::uint64_t last_stream_ = 0;  // streams_ holds it: most events are on the same stream
   bool have_last_stream_ = false;

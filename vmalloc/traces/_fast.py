@@ -53,13 +53,13 @@ def _new_pass(reader, scan):
     return _trace_parse.Pass("rmm_csv", 0, -1, scan)
 
 
-def _run(reader, fast):
-    """Feeds ``fast`` every raw record of the file; yields after each block. Leaves
-    ``reader.metadata`` and ``reader.skipped`` as the Python reader's pass would."""
+def _blocks(path, fast):
+    """Feeds ``fast`` the file's blocks; yields after each. Returns False where the C++ side
+    bailed out (or reading failed: the Python reader words it)."""
     ok = True
     buffer = bytearray(BLOCK)  # one buffer, refilled: no allocation per block
     view = memoryview(buffer)
-    with open_binary(reader.path) as f:
+    with open_binary(path) as f:
         first = True
         while True:
             try:
@@ -82,6 +82,13 @@ def _run(reader, fast):
                 ok = False
                 break
             yield
+    return ok
+
+
+def _run(reader, fast):
+    """Feeds ``fast`` every raw record of the file; yields after each block. Leaves
+    ``reader.metadata`` and ``reader.skipped`` as the Python reader's pass would."""
+    ok = yield from _blocks(reader.path, fast)
     if ok:
         _reader_state(reader, fast)
         return
@@ -106,7 +113,7 @@ def _reader_state(reader, fast):
         return
     from vmalloc.traces.kineto import _device_label
 
-    members, devices, out_of_order, ooms, zero_bytes = fast.reader_state()
+    members, devices, out_of_order, ooms, zero_bytes, recorded = fast.reader_state()
     metadata = {}
     for key, value in members:
         metadata[json.loads(key)] = json.loads(value)
@@ -114,6 +121,8 @@ def _reader_state(reader, fast):
         _device_label(t, i): n for (t, i), n in sorted(devices)
     }
     metadata["memory_events_out_of_time_order"] = out_of_order
+    (metadata["recorded_peak_allocated_bytes"], metadata["recorded_peak_reserved_bytes"],
+     metadata["allocated_before_window_bytes"]) = recorded
     reader.metadata = metadata
     skipped = {}
     if zero_bytes:
@@ -123,14 +132,34 @@ def _reader_state(reader, fast):
     reader.skipped = skipped
 
 
+def kineto_devices(path):
+    """``KinetoReader.devices()`` of the file at ``path`` (``{(type, id): events}``), counted
+    in C++; None where the fast path is off or bails out (the Python reader then counts, or
+    words the error)."""
+    if _trace_parse is None or os.environ.get("VMALLOC_PYTHON_READERS"):
+        return None
+    fast = _trace_parse.Pass("kineto", None, -1, True)
+    blocks = _blocks(path, fast)
+    while True:
+        try:
+            next(blocks)
+        except StopIteration as stop:
+            ok = stop.value
+            break
+    if not ok:
+        return None
+    return dict(sorted(fast.reader_state()[1]))
+
+
 def live_before(reader):
-    """``reader.live_before()``, through the fast path when the reader does not redefine it."""
+    """``reader.live_before()``, through the fast path when the reader does not redefine it
+    (a reader may add to the scan's result through ``_live_before_rest``)."""
     if type(reader).live_before is not RecordReaderPass.live_before:
         return reader.live_before()
     fast = _new_pass(reader, scan=True)
     for _ in _run(reader, fast):
         pass
-    return fast.before_window()
+    return reader._live_before_rest(fast.before_window())
 
 
 def _produce(reader, fast, live, out, stop):
