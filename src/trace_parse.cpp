@@ -601,8 +601,33 @@ KinetoScanner::R KinetoScanner::event(std::size_t& p, Events& out) {
   if (type.kind != Field::integer || !token_int64(type.b, type.e, dtype)) return R::bail;
   if (id.kind != Field::none && (id.kind != Field::integer || !token_int64(id.b, id.e, did)))
     return R::bail;
-  count_device(dtype, did);
-  if (want_type_ == count_devices) return R::ok;
+  std::size_t slot = count_device(dtype, did);
+  if (want_type_ == count_devices) {
+    if (!scans_ok) return R::ok;
+    std::uint64_t a, mag;
+    bool aneg, neg;
+    std::int64_t total = 0;
+    if (addr.kind != Field::integer || !token_magnitude(addr.b, addr.e, aneg, a) ||
+        (aneg && a != 0) || bytes.kind != Field::integer ||
+        !token_magnitude(bytes.b, bytes.e, neg, mag) ||
+        (allocated.kind == Field::integer && !token_int64(allocated.b, allocated.e, total))) {
+      scans_ok = false;
+      device_scans.clear();
+      return R::ok;
+    }
+    DeviceScan& d = device_scans[slot];
+    if (allocated.kind == Field::integer && !d.have_allocated) {
+      d.have_allocated = true;
+      d.first_allocated = total;
+      d.first_bytes_negative = neg;
+      d.first_bytes = mag;
+    }
+    if (mag != 0) {
+      TraceEvent e = make_event(neg ? TraceEvent::op_free : TraceEvent::op_alloc, 0, a, mag);
+      d.scan.feed(&e, 1);
+    }
+    return R::ok;
+  }
   if (dtype != want_type_ || (want_id_ >= 0 && did != want_id_)) return R::ok;
   std::uint64_t a, mag;
   bool neg;
@@ -657,14 +682,17 @@ KinetoScanner::R KinetoScanner::event(std::size_t& p, Events& out) {
   return R::ok;
 }
 
-void KinetoScanner::count_device(std::int64_t type, std::int64_t id) {
-  for (auto& d : devices) {
+std::size_t KinetoScanner::count_device(std::int64_t type, std::int64_t id) {
+  for (std::size_t i = 0; i < devices.size(); ++i) {
+    auto& d = devices[i];
     if (d.first.first == type && d.first.second == id) {
       ++d.second;
-      return;
+      return i;
     }
   }
   devices.push_back({{type, id}, 1});
+  if (want_type_ == count_devices && scans_ok) device_scans.emplace_back();
+  return devices.size() - 1;
 }
 
 // A top-level member other than traceEvents, from its name: kept if its value is a scalar.

@@ -82,9 +82,13 @@ def test_fast_path_is_taken(monkeypatch, tmp_path):
     path = tmp_path / "gpu.json"
     path.write_text('{"traceEvents": [' + ", ".join([
         event.format(1, 4096, -512, 2048), event.format(2, 8192, 1024, 3072)]) + "]}")
+    passes = []
+    new_pass = _fast._new_pass
+    monkeypatch.setattr(_fast, "_new_pass", lambda r, scan: passes.append(scan) or new_pass(r, scan))
     trace = open_trace(path)  # device "auto", before_window "auto" (live)
     assert trace.device == "cuda:1"
     assert len(trace.events()) == 4  # the free's block, the rest of Total Allocated, 2 events
+    assert passes == [False]  # the device count scanned for the live memory already
     assert trace.info.frees_before_window == 1
     assert trace.info.metadata["allocated_before_window_bytes"] == 2560
     assert trace.info.metadata["recorded_peak_allocated_bytes"] == 3072

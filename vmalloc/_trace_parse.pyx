@@ -29,6 +29,17 @@ cdef extern from "vmalloc/trace_parse.hpp" namespace "vmalloc::trace_parse" nogi
         const vector[string]& columns()
         uint64_t allocate_failures()
 
+    cdef cppclass BeforeWindowScanner:
+        void feed(const TraceEvent* records, size_t n)
+        vector[TraceEvent] before
+
+    cdef cppclass DeviceScan "vmalloc::trace_parse::KinetoScanner::DeviceScan":
+        BeforeWindowScanner scan
+        bool have_allocated
+        int64_t first_allocated
+        bool first_bytes_negative
+        uint64_t first_bytes
+
     cdef cppclass KinetoScanner:
         KinetoScanner(int64_t want_type, int64_t want_id)
         bool feed(const char* data, size_t n, vector[TraceEvent]& out)
@@ -40,6 +51,8 @@ cdef extern from "vmalloc/trace_parse.hpp" namespace "vmalloc::trace_parse" nogi
         int64_t peak_allocated, peak_reserved, first_allocated
         bool first_bytes_negative
         uint64_t first_bytes
+        vector[DeviceScan] device_scans
+        bool scans_ok
 
     cdef cppclass Normalizer:
         void live_before(const TraceEvent* events, size_t n)
@@ -54,9 +67,6 @@ cdef extern from "vmalloc/trace_parse.hpp" namespace "vmalloc::trace_parse" nogi
         size_t live_count()
         size_t stream_count()
 
-    cdef cppclass BeforeWindowScanner:
-        void feed(const TraceEvent* records, size_t n)
-        vector[TraceEvent] before
 
 
 #: Normalizer::Reason, as _normalize.py words them.
@@ -224,6 +234,28 @@ cdef class Pass:
             "live_at_end_bytes": self._wide(3),
             "streams": n.stream_count(),
         }
+
+    def device_scans(self):
+        """After a pass that counts devices (kineto, ``want_type`` None): ``{(type, id):
+        (before_window() of that device, Total Allocated before its first event or None)}``,
+        or None where the scans are not valid."""
+        k = self.kineto
+        if not k.scans_ok or k.device_scans.size() != k.devices.size():
+            return None
+        out = {}
+        cdef size_t i, j
+        cdef const TraceEvent* e
+        cdef DeviceScan* d
+        for i in range(k.devices.size()):
+            d = &k.device_scans[i]
+            e = d.scan.before.data()
+            before = {e[j].addr: (e[j].stream, e[j].size) for j in range(d.scan.before.size())}
+            allocated = None
+            if d.have_allocated:
+                nbytes = -int(d.first_bytes) if d.first_bytes_negative else int(d.first_bytes)
+                allocated = max(0, int(d.first_allocated) - nbytes)
+            out[(k.devices[i].first.first, k.devices[i].first.second)] = (before, allocated)
+        return out
 
     def reader_state(self):
         """What the Python reader's pass leaves in ``reader.metadata`` and ``reader.skipped``,

@@ -45,11 +45,22 @@ class RmmCsvParser {
   std::uint64_t failures_ = 0;
 };
 
+// vmalloc/traces/_normalize.py's scan_before_window: frees of addresses first seen freed.
+class BeforeWindowScanner {
+ public:
+  void feed(const TraceEvent* records, std::size_t n);
+  Events before;  // as ALLOC records (stream, addr, size), in order of appearance
+ private:
+  std::unordered_set<std::uint64_t> live_, seen_;
+};
+
 // The [memory] events of a chrome-trace JSON (vmalloc/traces/kineto.py, _json_stream.py).
 class KinetoScanner {
  public:
   // want_id < 0: any device id of that type (CPU traces). want_type == count_devices: no
-  // device is read, the memory events are only counted by device (KinetoReader.devices).
+  // device is read, the memory events are counted by device (KinetoReader.devices) and each
+  // device is scanned for memory live before the window (device_scans), so that the pass
+  // that follows for one device needs no scan of its own.
   static constexpr std::int64_t count_devices = INT64_MIN;
   KinetoScanner(std::int64_t want_type, std::int64_t want_id);
   bool feed(const char* data, std::size_t n, Events& out);
@@ -67,6 +78,19 @@ class KinetoScanner {
   bool first_bytes_negative = false;
   std::uint64_t first_bytes = 0;
 
+  // count_devices: per device (parallel to devices), its scan_before_window and the first
+  // event's Total Allocated with its Bytes; valid only while scans_ok (false once an event
+  // had fields the device's own pass would not take: then that pass scans for itself).
+  struct DeviceScan {
+    BeforeWindowScanner scan;
+    bool have_allocated = false;
+    std::int64_t first_allocated = 0;
+    bool first_bytes_negative = false;
+    std::uint64_t first_bytes = 0;
+  };
+  std::vector<DeviceScan> device_scans;
+  bool scans_ok = true;
+
  private:
   enum class R { ok, more, bail };
   VMALLOC_TRACE_PARSE_INTERNAL R run(Events& out);
@@ -77,7 +101,7 @@ class KinetoScanner {
   VMALLOC_TRACE_PARSE_INTERNAL R literal(std::size_t& p, const char* word, std::size_t len);
   VMALLOC_TRACE_PARSE_INTERNAL R event(std::size_t& p, Events& out);
   VMALLOC_TRACE_PARSE_INTERNAL R member(std::size_t& p);
-  VMALLOC_TRACE_PARSE_INTERNAL void count_device(std::int64_t type, std::int64_t id);
+  VMALLOC_TRACE_PARSE_INTERNAL std::size_t count_device(std::int64_t type, std::int64_t id);
 
   std::int64_t want_type_, want_id_;
   std::string buf_;
@@ -128,15 +152,6 @@ class Normalizer {
   std::unordered_set<std::uint64_t> streams_;
   std::uint64_t last_stream_ = 0;  // streams_ holds it: most events are on the same stream
   bool have_last_stream_ = false;
-};
-
-// vmalloc/traces/_normalize.py's scan_before_window: frees of addresses first seen freed.
-class BeforeWindowScanner {
- public:
-  void feed(const TraceEvent* records, std::size_t n);
-  Events before;  // as ALLOC records (stream, addr, size), in order of appearance
- private:
-  std::unordered_set<std::uint64_t> live_, seen_;
 };
 
 }  // namespace vmalloc::trace_parse

@@ -148,7 +148,38 @@ def kineto_devices(path):
             break
     if not ok:
         return None
+    global _scans
+    scans = fast.device_scans()
+    _scans = None if scans is None else (_identity(path), scans)
     return dict(sorted(fast.reader_state()[1]))
+
+
+#: The per-device scans of the last device count: ``(file identity, {(type, id): (before,
+#: allocated before the window)})``, taken by the live scan of the pass that follows.
+_scans = None
+
+
+def _identity(path):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _take_scan(reader):
+    """The device count's scan for ``reader``'s device, or None (used once)."""
+    global _scans
+    scans = _scans
+    if scans is None or reader.format != "kineto" or reader.index is None:
+        return None
+    identity, by_device = scans
+    found = by_device.pop((reader.device_type, reader.index), None)
+    if found is None or identity is None or identity != _identity(reader.path):
+        return None
+    if not by_device:
+        _scans = None
+    return found
 
 
 def live_before(reader):
@@ -156,6 +187,11 @@ def live_before(reader):
     (a reader may add to the scan's result through ``_live_before_rest``)."""
     if type(reader).live_before is not RecordReaderPass.live_before:
         return reader.live_before()
+    scanned = _take_scan(reader)
+    if scanned is not None:  # the device count scanned the device already
+        before, allocated = scanned
+        reader.metadata = dict(reader.metadata, allocated_before_window_bytes=allocated)
+        return reader._live_before_rest(dict(before))
     fast = _new_pass(reader, scan=True)
     for _ in _run(reader, fast):
         pass
