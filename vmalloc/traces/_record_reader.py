@@ -10,7 +10,11 @@ class RecordReaderPass:
 
     def live_before(self):
         """Addresses freed before being allocated in the input (``before_window="live"``)."""
-        return scan_before_window(self.records())
+        return self._live_before_rest(scan_before_window(self.records()))
+
+    def _live_before_rest(self, before):
+        """What the reader adds to the scan's ``before`` (after the pass that found it)."""
+        return before
 
     def finish(self, info):
         """Adds what only a full pass knows to ``info``."""

@@ -9,10 +9,10 @@ Memory events carry no stream: every event is on stream 0.
 """
 
 from vmalloc.errors import TraceFormatError
+from vmalloc.traces import _fast
 from vmalloc.traces._fields import AUTO, NoDeviceEventsError, device_name, only_gpu_device, u64
 from vmalloc.traces._files import open_text
 from vmalloc.traces._json_stream import JsonEventScanner
-from vmalloc.traces._normalize import scan_before_window
 from vmalloc.traces._record_reader import RecordReaderPass
 from vmalloc.traces.events import ALLOC, FREE
 
@@ -51,13 +51,12 @@ class KinetoReader(RecordReaderPass):
         #: The device whose events are read, as ``"cuda:N"`` or ``"cpu"``.
         self.device = device_name(kind, index)
 
-    def live_before(self):
+    def _live_before_rest(self, before):
         """Memory allocated before the trace's first event, for ``before_window="live"``: each
-        address freed without being allocated in the trace (with the size its free names),
-        then, as one block at :data:`LIVE_BEFORE_ADDR`, the rest of what PyTorch's ``Total
-        Allocated`` counter says was allocated before the first event (memory live through
-        the whole window, weights say, that no event mentions)."""
-        before = scan_before_window(self.records())
+        address freed without being allocated in the trace (``before``: with the size its free
+        names), then, as one block at :data:`LIVE_BEFORE_ADDR`, the rest of what PyTorch's
+        ``Total Allocated`` counter says was allocated before the first event (memory live
+        through the whole window, weights say, that no event mentions)."""
         total = self.metadata.get("allocated_before_window_bytes") or 0
         rest = total - sum(size for _, size in before.values())
         if rest > 0 and LIVE_BEFORE_ADDR not in before:
@@ -66,7 +65,10 @@ class KinetoReader(RecordReaderPass):
 
     def devices(self):
         """``{device: memory events}`` of the whole trace (``"cuda:1"``, ``"cpu"``, ...), in
-        device order: one pass over the file."""
+        device order: one pass over the file (in C++ where it can)."""
+        counts = _fast.kineto_devices(self.path)
+        if counts is not None:
+            return {_device_label(t, i): n for (t, i), n in counts.items()}
         counts = {}
         with open_text(self.path) as text:
             for line, event in JsonEventScanner(text, self.path).events():

@@ -5,6 +5,7 @@ import os
 import numpy as np
 
 from vmalloc.errors import InvalidArgumentError, TraceFormatError
+from vmalloc.traces import _fast
 from vmalloc.traces._fields import AUTO, device_name, parse_device
 from vmalloc.traces._files import head
 from vmalloc.traces._normalize import BEFORE_WINDOW_CHOICES, LIVE_BY_DEFAULT, normalized_batches
@@ -141,6 +142,9 @@ class Trace:
         reader = self._reader
         if reader.direct:
             yield from reader.direct_batches(info)
+        elif _fast.available(reader):  # the same events and errors, parsed in C++
+            yield from _fast.normalized_batches(reader, info, self.before_window == "live")
+            reader.finish(info)
         else:
             live_before = reader.live_before() if self.before_window == "live" else None
             yield from normalized_batches(reader.records(), info, live_before)

@@ -1,0 +1,279 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The C++ fast path of the RMM CSV and Kineto JSON readers and of their normalization
+(src/trace_parse.cpp), driven by :mod:`vmalloc.traces._fast`."""
+
+from libc.stdint cimport INT64_MIN, int64_t, uint8_t, uint64_t
+from libc.string cimport memcpy, memset
+from libcpp cimport bool
+from libcpp.string cimport string
+from libcpp.utility cimport pair
+from libcpp.vector cimport vector
+
+import numpy as np
+
+from vmalloc.traces.events import EVENT_DTYPE
+
+
+cdef extern from "vmalloc/replay.hpp" namespace "vmalloc" nogil:
+    cdef cppclass TraceEvent:
+        uint8_t op
+        uint64_t stream
+        uint64_t addr
+        uint64_t size
+
+
+cdef extern from "vmalloc/trace_parse.hpp" namespace "vmalloc::trace_parse" nogil:
+    cdef cppclass RmmCsvParser:
+        bool feed(const char* data, size_t n, vector[TraceEvent]& out)
+        bool finish(vector[TraceEvent]& out)
+        const vector[string]& columns()
+        uint64_t allocate_failures()
+
+    cdef cppclass BeforeWindowScanner:
+        void feed(const TraceEvent* records, size_t n)
+        vector[TraceEvent] before
+
+    cdef cppclass DeviceScan "vmalloc::trace_parse::KinetoScanner::DeviceScan":
+        BeforeWindowScanner scan
+        bool have_allocated
+        int64_t first_allocated
+        bool first_bytes_negative
+        uint64_t first_bytes
+
+    cdef cppclass KinetoScanner:
+        KinetoScanner(int64_t want_type, int64_t want_id)
+        bool feed(const char* data, size_t n, vector[TraceEvent]& out)
+        bool finish(vector[TraceEvent]& out)
+        vector[pair[string, string]] metadata
+        vector[pair[pair[int64_t, int64_t], uint64_t]] devices
+        uint64_t out_of_order, ooms, zero_bytes, matched
+        bool have_allocated, have_reserved
+        int64_t peak_allocated, peak_reserved, first_allocated
+        bool first_bytes_negative
+        uint64_t first_bytes
+        vector[DeviceScan] device_scans
+        bool scans_ok
+
+    cdef cppclass Normalizer:
+        void live_before(const TraceEvent* events, size_t n)
+        void feed(const TraceEvent* records, size_t n)
+        vector[TraceEvent] pending
+        uint64_t skipped[4]
+        vector[int] reason_order
+        uint64_t implicit_frees, unmatched_frees, free_size_mismatches, synthetic_allocs
+        uint64_t frees_before_window
+        uint64_t allocs, frees, largest
+        void wide(int which, uint64_t& hi, uint64_t& lo)
+        size_t live_count()
+        size_t stream_count()
+
+
+
+#: Normalizer::Reason, as _normalize.py words them.
+_REASONS = ("live before window, size unknown", "zero-size alloc", "alloc at address 0",
+            "free of address 0")
+
+
+cdef object _array(const TraceEvent* events, size_t n):
+    """An EVENT_DTYPE array of ``n`` events, padding bytes zeroed."""
+    out = np.empty(n, dtype=EVENT_DTYPE)
+    if n == 0:
+        return out
+    cdef uint8_t[::1] raw = out.view(np.uint8)
+    cdef uint8_t* dst = &raw[0]
+    cdef size_t i
+    with nogil:
+        memcpy(dst, events, n * 32)
+        for i in range(n):
+            memset(dst + 32 * i + 1, 0, 7)
+    return out
+
+
+cdef class Pass:
+    """One pass over a trace file's raw records: parsed by the C++ reader of ``format``
+    (``"rmm_csv"`` or ``"kineto"``), then normalized (``scan=False``) or scanned for memory
+    live before the window (``scan=True``). :meth:`feed` returns False where the C++ reader
+    bails out; :attr:`records` raw records had been taken until then, and the caller goes on
+    with the Python reader's records from there (:meth:`feed_records`)."""
+
+    cdef RmmCsvParser* csv
+    cdef KinetoScanner* kineto
+    cdef Normalizer* norm
+    cdef BeforeWindowScanner* before
+    cdef vector[TraceEvent] raw
+    cdef readonly uint64_t records
+    cdef readonly object format
+
+    def __cinit__(self, format, want_type=0, int64_t want_id=-1, bint scan=False):
+        """``want_type`` None (kineto): the memory events are only counted by device."""
+        self.format = format
+        if format == "rmm_csv":
+            self.csv = new RmmCsvParser()
+        elif format == "kineto":
+            self.kineto = new KinetoScanner(
+                INT64_MIN if want_type is None else <int64_t>want_type, want_id)
+        else:
+            raise ValueError(f"no fast reader for {format!r}")
+        if scan:
+            self.before = new BeforeWindowScanner()
+        else:
+            self.norm = new Normalizer()
+
+    def __dealloc__(self):
+        del self.csv
+        del self.kineto
+        del self.norm
+        del self.before
+
+    cdef void _consume(self) noexcept nogil:
+        cdef size_t n = self.raw.size()
+        if n:
+            if self.norm != NULL:
+                self.norm.feed(self.raw.data(), n)
+            else:
+                self.before.feed(self.raw.data(), n)
+            self.records += n
+            self.raw.clear()
+
+    def feed(self, const uint8_t[::1] block):
+        """Parses the next block of the file; False: bail out (see the class)."""
+        cdef size_t n = block.shape[0]
+        cdef const char* data = <const char*>&block[0] if n else <const char*>NULL
+        cdef bool ok
+        with nogil:
+            if self.csv != NULL:
+                ok = self.csv.feed(data, n, self.raw)
+            else:
+                ok = self.kineto.feed(data, n, self.raw)
+            self._consume()
+        return ok
+
+    def finish(self):
+        """The end of the file; False: bail out."""
+        cdef bool ok
+        with nogil:
+            if self.csv != NULL:
+                ok = self.csv.finish(self.raw)
+            else:
+                ok = self.kineto.finish(self.raw)
+            self._consume()
+        return ok
+
+    def feed_records(self, records):
+        """Raw records (an EVENT_DTYPE array) from the Python reader."""
+        records = np.ascontiguousarray(records, dtype=EVENT_DTYPE)
+        cdef size_t n = len(records)
+        if n == 0:
+            return
+        cdef const uint8_t[::1] raw = records.view(np.uint8)
+        cdef const TraceEvent* events = <const TraceEvent*>&raw[0]
+        with nogil:
+            if self.norm != NULL:
+                self.norm.feed(events, n)
+            else:
+                self.before.feed(events, n)
+        self.records += n
+
+    def live_before(self, before):
+        """Starts the normalization with ``before`` (``{addr: (stream, size)}``)."""
+        records = np.zeros(len(before), dtype=EVENT_DTYPE)
+        if len(before):
+            records["addr"] = list(before)
+            records["stream"] = [s for s, _ in before.values()]
+            records["size"] = [z for _, z in before.values()]
+        cdef const uint8_t[::1] raw
+        if len(before):
+            raw = records.view(np.uint8)
+            self.norm.live_before(<const TraceEvent*>&raw[0], len(before))
+        else:
+            self.norm.live_before(NULL, 0)
+
+    def pending(self):
+        """Normalized events not yet taken."""
+        return self.norm.pending.size()
+
+    def take(self, size_t n):
+        """The next ``n`` normalized events, as an array."""
+        cdef vector[TraceEvent]* pending = &self.norm.pending
+        n = min(n, pending.size())
+        out = _array(pending.data(), n)
+        pending.erase(pending.begin(), pending.begin() + n)
+        return out
+
+    def before_window(self):
+        """``{addr: (stream, size)}`` of the frees of addresses first seen freed (scan)."""
+        cdef const TraceEvent* e = self.before.before.data()
+        cdef size_t i
+        return {e[i].addr: (e[i].stream, e[i].size) for i in range(self.before.before.size())}
+
+    cdef object _wide(self, int which):
+        cdef uint64_t hi = 0, lo = 0
+        self.norm.wide(which, hi, lo)
+        return (int(hi) << 64) | int(lo)
+
+    def counters(self):
+        """The normalization's counters: ``(skipped [(reason, count)], {TraceInfo field: value})``."""
+        cdef Normalizer* n = self.norm
+        skipped = [(_REASONS[r], n.skipped[r]) for r in n.reason_order]
+        return skipped, {
+            "implicit_frees": n.implicit_frees,
+            "unmatched_frees": n.unmatched_frees,
+            "unmatched_free_bytes": self._wide(0),
+            "free_size_mismatches": n.free_size_mismatches,
+            "synthetic_allocs": n.synthetic_allocs,
+            "synthetic_alloc_bytes": self._wide(1),
+            "frees_before_window": n.frees_before_window,
+            "free_before_window_bytes": self._wide(5),
+            "allocs": n.allocs,
+            "frees": n.frees,
+            "events": n.allocs + n.frees,
+            "alloc_bytes": self._wide(2),
+            "largest_alloc_bytes": n.largest,
+            "peak_live_bytes": self._wide(4),
+            "live_at_end": n.live_count(),
+            "live_at_end_bytes": self._wide(3),
+            "streams": n.stream_count(),
+        }
+
+    def device_scans(self):
+        """After a pass that counts devices (kineto, ``want_type`` None): ``{(type, id):
+        (before_window() of that device, Total Allocated before its first event or None)}``,
+        or None where the scans are not valid."""
+        k = self.kineto
+        if not k.scans_ok or k.device_scans.size() != k.devices.size():
+            return None
+        out = {}
+        cdef size_t i, j
+        cdef const TraceEvent* e
+        cdef DeviceScan* d
+        for i in range(k.devices.size()):
+            d = &k.device_scans[i]
+            e = d.scan.before.data()
+            before = {e[j].addr: (e[j].stream, e[j].size) for j in range(d.scan.before.size())}
+            allocated = None
+            if d.have_allocated:
+                nbytes = -int(d.first_bytes) if d.first_bytes_negative else int(d.first_bytes)
+                allocated = max(0, int(d.first_allocated) - nbytes)
+            out[(k.devices[i].first.first, k.devices[i].first.second)] = (before, allocated)
+        return out
+
+    def reader_state(self):
+        """What the Python reader's pass leaves in ``reader.metadata`` and ``reader.skipped``,
+        as raw parts: for rmm_csv ``(columns, allocate_failures)``, for kineto
+        ``(metadata [(key JSON, value JSON)], devices [((type, id), count)], out_of_order,
+        ooms, zero_bytes, recorded)`` where ``recorded`` is ``(peak Total Allocated, peak
+        Total Reserved, Total Allocated before the first event)``, each None when absent."""
+        cdef vector[string] columns
+        if self.csv != NULL:
+            columns = self.csv.columns()
+            return [c.decode() for c in columns], self.csv.allocate_failures()
+        k = self.kineto
+        before = None
+        if k.have_allocated:
+            nbytes = -int(k.first_bytes) if k.first_bytes_negative else int(k.first_bytes)
+            before = max(0, int(k.first_allocated) - nbytes)
+        return ([(p.first.decode(), p.second.decode()) for p in k.metadata],
+                [((d.first.first, d.first.second), d.second) for d in k.devices],
+                k.out_of_order, k.ooms, k.zero_bytes,
+                (int(k.peak_allocated) if k.have_allocated else None,
+                 int(k.peak_reserved) if k.have_reserved else None, before))
