@@ -105,8 +105,8 @@ class Runtime:
         self.device = allocator.device if allocator is not None else None
         if swap is None:
             from vmalloc.offload import SwapManager
-        self.swap = swap if swap is not None else SwapManager(allocator,
-                                                              host_capacity=host_capacity)
+            swap = SwapManager(allocator, host_capacity=host_capacity)
+        self.swap = swap
         if budget is None:
             capacity = self.device.capacity if self.device is not None else 0
             self.budget = int(capacity * (1 - DEFAULT_MARGIN_FRACTION)) if capacity else None
@@ -336,21 +336,19 @@ class Runtime:
         while True:
             if self._fits(n):
                 try:
-                    # Through the manager: it never hands out the address of a relocated
-                    # allocation that is on the host (that address names it there).
                     return self.swap.allocate(n, stream=self.stream)
                 except OutOfMemoryError:
-                    if not self._evict_one(n):
+                    if not self._evict_one():
                         raise
                     continue
-            if not self._evict_one(n):
+            if not self._evict_one():
                 raise OutOfMemoryError(
                     f"the runtime cannot make room for {n} bytes within its budget of "
                     f"{self.budget} bytes: {self._device_bytes} bytes are held by buffers the "
                     "running function needs", requested_bytes=n,
                     state=f"budget={self.budget} device_bytes={self._device_bytes}")
 
-    def _evict_one(self, need):
+    def _evict_one(self):
         """Swaps out (synchronously) the least recently used buffer that the running function
         does not need; completes in-flight swap-outs first. False if nothing can go."""
         if self._pending_out:
@@ -393,14 +391,14 @@ class Runtime:
                     self._in(buf)
                     break
                 except OutOfMemoryError:
-                    if not on_demand or not self._evict_one(buf.nbytes):
+                    if not on_demand or not self._evict_one():
                         if on_demand:
                             raise
                         return False
                     continue
             if not on_demand:
                 return False
-            if not self._evict_one(buf.nbytes):
+            if not self._evict_one():
                 raise OutOfMemoryError(
                     f"the runtime cannot swap in buffer {buf.id} ({buf.nbytes} bytes) within "
                     f"its budget of {self.budget} bytes", requested_bytes=buf.nbytes,
@@ -638,7 +636,7 @@ class Runtime:
     def _enforce_budget(self):
         """After a function: evict least recently used buffers until within the budget."""
         while self.budget is not None and self._device_bytes > self.budget:
-            if not self._evict_one(0):
+            if not self._evict_one():
                 break
 
     def _exit_function(self):
