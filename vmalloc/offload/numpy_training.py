@@ -203,15 +203,17 @@ class CNN(_Net):
         cols, pres, h = [], [], x
         for l, w in enumerate(self.convs):
             c, f = ch[l], ch[l + 1]
+            # Each tensor is allocated just before the function that writes it, as a
+            # framework's op allocates its output.
             col = self.tensor((batch * s * s, 9 * c))
-            z = self.tensor((batch, s, s, f))
-            r = self.tensor((batch, s, s, f))
             with rt.function(reads=[h], writes=[col], name=f"im2col{l}") as p:
                 view(p, col, (batch * s * s, 9 * c))[...] = self._im2col(
                     view(p, h, (batch, s, s, c)))
+            z = self.tensor((batch, s, s, f))
             with rt.function(reads=[col, w], writes=[z], name=f"conv{l}") as p:
                 np.matmul(view(p, col, (batch * s * s, 9 * c)), view(p, w, (9 * c, f)),
                           out=view(p, z, (batch * s * s, f)))
+            r = self.tensor((batch, s, s, f))
             with rt.function(reads=[z], writes=[r], name=f"relu{l}") as p:
                 np.maximum(view(p, z, (batch, s, s, f)), 0, out=view(p, r, (batch, s, s, f)))
             if h is not x:

@@ -32,12 +32,14 @@ class Buffer:
     """Memory the runtime may swap. ``ptr`` is its device address while it is resident; inside
     a :meth:`Runtime.function` that lists it, it is resident and readable there."""
 
-    __slots__ = ("id", "nbytes", "ptr", "persistent", "var", "alive", "where", "key", "_rt")
+    __slots__ = ("id", "nbytes", "footprint", "ptr", "persistent", "var", "alive", "where",
+                 "key", "_rt")
 
     def __init__(self, rt, bid, nbytes, ptr, persistent):
         self._rt = rt
         self.id = bid
         self.nbytes = nbytes
+        self.footprint = rt._footprint(nbytes)  # device bytes it takes (chunk rounding)
         self.ptr = ptr
         self.persistent = persistent
         self.var = None      # variable id in the recorded sequence
@@ -115,6 +117,16 @@ class Runtime:
             if self.budget == 0:
                 raise InvalidArgumentError("budget must be positive (None: capacity - margin)")
         self.window = None if window is None else parse_size(window, "window")
+        # Budgets and schedules count the device bytes a buffer really takes: on the virtual
+        # allocator's chunk path a request is rounded up to whole chunks (the paper's exact
+        # internal fragmentation), so counting requested bytes would overrun the device.
+        chunk = getattr(allocator, "chunk_size", 0) if allocator is not None else 0
+        small = getattr(allocator, "small_threshold", 0) if chunk else 0
+        packed = getattr(allocator, "placement", "chunks") == "packed"
+        if chunk and not packed:
+            self._footprint = lambda n: n if n <= small else -(-n // chunk) * chunk
+        else:
+            self._footprint = lambda n: n
         self._scheduler_spec = scheduler
         if persistent not in ("auto", "resident", "swap"):
             raise InvalidArgumentError(
@@ -145,6 +157,10 @@ class Runtime:
         self._iter_allocs: List[Buffer] = []
         self._step = 0
         self._following = False
+        # The next step's actions before its function (waits for swap-outs, swap-ins) run at
+        # the program's next allocate or function, not at the previous function's exit: the
+        # program's frees in between come first, as the schedule's frees do.
+        self._pre_pending = False
         self._pending_out: List[Buffer] = []
         self._pending_in: List[Buffer] = []
         self._current: Optional[List[Buffer]] = None
@@ -167,7 +183,9 @@ class Runtime:
         n = parse_size(nbytes, "nbytes")
         if n == 0:
             raise InvalidArgumentError("nbytes must be positive")
-        ptr = self._allocate_with_eviction(n)
+        if self._pre_pending:
+            self._run_pre_actions()
+        ptr = self._allocate_with_eviction(self._footprint(n), n)
         buf = Buffer(self, self._next_id, n, ptr, persistent=not self._in_iteration)
         self._next_id += 1
         self._buffers[buf.id] = buf
@@ -222,7 +240,7 @@ class Runtime:
         elif self._following and k < len(self._transient_vars):
             v = self._transient_vars[k]
             recorded = self._sequence.variables[v].nbytes
-            if buf.nbytes > recorded:
+            if buf.footprint > recorded:
                 # Larger than planned: the schedule's budget no longer holds.
                 self._diverge(f"allocation {k} of the iteration has {buf.nbytes} bytes; the "
                               f"record has {recorded}")
@@ -320,21 +338,22 @@ class Runtime:
     def _track(self, buf):
         self._lru[buf.id] = buf
         self._lru.move_to_end(buf.id)
-        self._device_bytes += buf.nbytes
+        self._device_bytes += buf.footprint
         if self._device_bytes > self._peak_device_bytes:
             self._peak_device_bytes = self._device_bytes
 
     def _untrack(self, buf):
         if self._lru.pop(buf.id, None) is not None:
-            self._device_bytes -= buf.nbytes
+            self._device_bytes -= buf.footprint
 
     def _fits(self, n):
         return self.budget is None or self._device_bytes + n <= self.budget
 
-    def _allocate_with_eviction(self, n):
-        """Allocates n bytes, evicting least recently used buffers to stay in budget."""
+    def _allocate_with_eviction(self, footprint, n):
+        """Allocates n bytes (``footprint`` on the device), evicting least recently used
+        buffers to stay in budget."""
         while True:
-            if self._fits(n):
+            if self._fits(footprint):
                 try:
                     return self.swap.allocate(n, stream=self.stream)
                 except OutOfMemoryError:
@@ -386,7 +405,7 @@ class Runtime:
         if buf.where != "on_host":
             return True
         while True:
-            if self._fits(buf.nbytes):
+            if self._fits(buf.footprint):
                 try:
                     self._in(buf)
                     break
@@ -440,7 +459,7 @@ class Runtime:
         elif self._following:
             self._stats["scheduled_iterations"] += 1
             self._enter_initial_state()
-            self._pre_actions(0)
+            self._pre_pending = True
 
     def _enter_initial_state(self):
         """Persistent buffers where the schedule expects them when an iteration starts."""
@@ -458,6 +477,7 @@ class Runtime:
         self._complete_swap_outs(list(self._pending_out))
 
     def _end_iteration(self, failed):
+        self._pre_pending = False   # no function follows in this iteration
         self._in_iteration = False
         self._stats["iterations"] += 1
         recorded = self._recording
@@ -498,10 +518,11 @@ class Runtime:
         var_of = {}
         for buf in self._record_persistent:
             if buf.alive:
-                var_of[id(buf)] = seq.add_variable(buf.nbytes, persistent=True,
+                var_of[id(buf)] = seq.add_variable(buf.footprint, persistent=True,
                                                    name=f"b{buf.id}")
         for k, buf in enumerate(self._record_allocs):
-            var_of[id(buf)] = seq.add_variable(buf.nbytes, persistent=False, name=f"t{k}")
+            var_of[id(buf)] = seq.add_variable(buf.footprint, persistent=False,
+                                               name=f"t{k}")
         for name, reads, writes in self._record_funcs:
             seq.add_function(inputs=[var_of[id(b)] for b in reads if id(b) in var_of],
                              outputs=[var_of[id(b)] for b in writes if id(b) in var_of],
@@ -559,9 +580,9 @@ class Runtime:
             if buf is None or not buf.alive:
                 continue
             if self._swap_in(buf, on_demand=False):
-                if buf.where == "swapping_in":
+                if buf.where == "swapping_in":   # (a copy that landed already is resident)
                     self._pending_in.append(buf)
-                    self._stats["scheduled_swap_ins"] += 1
+                self._stats["scheduled_swap_ins"] += 1
             else:
                 self._stats["prefetch_failures"] += 1
 
@@ -617,6 +638,8 @@ class Runtime:
         self._stats["functions"] += 1
         if self._following and not self._matches(self._step, name, reads, writes):
             self._diverge(f"function {self._step} ({name}) differs from the record")
+        if self._pre_pending:
+            self._run_pre_actions()
         self._current = bufs
         self._in_function = True
         self._fn_reads, self._fn_writes, self._fn_name = reads, list(writes), name
@@ -653,9 +676,14 @@ class Runtime:
         if self._following:
             self._post_actions(self._step)
             self._step += 1
-            self._pre_actions(self._step)
+            self._pre_pending = True
         else:
             self._step += 1
+
+    def _run_pre_actions(self):
+        self._pre_pending = False
+        if self._following:
+            self._pre_actions(self._step)
 
 
 class _Iteration:
