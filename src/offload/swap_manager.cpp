@@ -239,6 +239,18 @@ std::size_t SwapManager::poll_locked(bool rethrow) {
   return changed;
 }
 
+void SwapManager::wait_busy(std::unique_lock<std::mutex>& lock, Record& r) {
+  // Marked busy while the mutex is released, so that other calls leave the record alone.
+  r.busy = true;
+  try {
+    wait_unlocked(lock, r.done);
+  } catch (...) {
+    r.busy = false;
+    throw;
+  }
+  r.busy = false;
+}
+
 void SwapManager::wait_for_swap_ins(std::unique_lock<std::mutex>& lock) {
   std::vector<event_t> pending;
   for (auto& e : records_)
@@ -259,15 +271,7 @@ device_ptr SwapManager::swap_out(device_ptr ptr, stream_t stream) {
     if (r->state != SwapState::swapping_in)
       throw_state(ptr, r->state, "swap_out", "only a resident allocation can be swapped out");
     // Still swapping in: its copy must land before the data can go out again.
-    r->busy = true;
-    const event_t ev = r->done;
-    try {
-      wait_unlocked(lock, ev);
-    } catch (...) {
-      r->busy = false;
-      throw;
-    }
-    r->busy = false;
+    wait_busy(lock, *r);
     poll_locked(false);
     if (Record* still = find(ptr))
       throw_state(ptr, still->state, "swap_out", "its swap-in could not be completed");
@@ -383,14 +387,7 @@ device_ptr SwapManager::swap_in_locked(device_ptr ptr, stream_t stream,
     // A cancel: the memory is still mapped and unchanged, nothing to copy back. The copy
     // still reads it, though, and the caller may free or overwrite it as soon as this
     // returns: the host waits for the copy first (the mutex released).
-    r->busy = true;
-    try {
-      wait_unlocked(lock, r->done);
-    } catch (...) {
-      r->busy = false;
-      throw;
-    }
-    r->busy = false;
+    wait_busy(lock, *r);
     const device_ptr addr = r->device_addr;
     cancel_out(ptr, *r, true);
     return addr;
@@ -507,14 +504,7 @@ void SwapManager::wait(device_ptr ptr, stream_t stream) {
     return;
   }
   if (r->state != SwapState::swapping_out) return;  // on host: nothing in flight
-  r->busy = true;
-  try {
-    wait_unlocked(lock, r->done);
-  } catch (...) {
-    r->busy = false;
-    throw;
-  }
-  r->busy = false;
+  wait_busy(lock, *r);
   if (r->state == SwapState::swapping_out) release_out(ptr, *r);
 }
 
@@ -537,14 +527,7 @@ void SwapManager::deallocate(device_ptr ptr, stream_t stream) {
   check_not_busy(ptr, *r, "deallocate");
   if (r->done != 0) {
     // A copy is in flight on this memory and host block: let it finish first.
-    r->busy = true;
-    try {
-      wait_unlocked(lock, r->done);
-    } catch (...) {
-      r->busy = false;
-      throw;
-    }
-    r->busy = false;
+    wait_busy(lock, *r);
   }
   if (r->device_held)
     allocator_->deallocate(r->device_addr, r->nbytes, stream);

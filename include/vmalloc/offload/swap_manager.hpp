@@ -166,6 +166,8 @@ class SwapManager {
   std::size_t poll_locked(bool rethrow);
   // Unlocks, host-waits for `event`, relocks (also when it throws); counts the wait.
   void wait_unlocked(std::unique_lock<std::mutex>& lock, event_t event);
+  // wait_unlocked for the copy in flight of `r` (its `done` event), `r` marked busy meanwhile.
+  void wait_busy(std::unique_lock<std::mutex>& lock, Record& r);
   void wait_for_swap_ins(std::unique_lock<std::mutex>& lock);
 
   const std::shared_ptr<Allocator> allocator_;
