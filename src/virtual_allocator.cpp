@@ -172,6 +172,26 @@ VirtualAllocator::Range* VirtualAllocator::take_cached(std::size_t k, stream_t s
   return c;
 }
 
+void VirtualAllocator::gather_chunks(std::size_t k, std::size_t creatable,
+                                     std::vector<physical_handle>& chunks,
+                                     std::size_t& first_created, std::size_t& created) {
+  for (physical_handle h; chunks.size() < k && (h = pool_.take_cached()) != 0;)
+    chunks.push_back(h);
+  if (steal_before_create_ && chunks.size() < k) steal(k - chunks.size(), chunks, false);
+  first_created = chunks.size();
+  for (std::size_t want = std::min(k - chunks.size(), creatable); want > 0; --want) {
+    physical_handle h;
+    try {
+      h = pool_.create();
+    } catch (const OutOfMemory&) {
+      break;  // the device is fuller than it said (shared): steal instead
+    }
+    chunks.push_back(h);
+    ++created;
+  }
+  if (chunks.size() < k) steal(k - chunks.size(), chunks, true);
+}
+
 VirtualAllocator::Range* VirtualAllocator::map_new_range(std::size_t k, std::size_t nbytes,
                                                          stream_t /*stream*/) {
   // Decide feasibility before tearing anything down: free chunks anywhere count, whatever
@@ -244,21 +264,7 @@ VirtualAllocator::Range* VirtualAllocator::map_new_range(std::size_t k, std::siz
   try {
     base = device_->reserve(bytes, device_->granularity());
     res->base = base;
-    for (physical_handle h; chunks.size() < k && (h = pool_.take_cached()) != 0;)
-      chunks.push_back(h);
-    if (steal_before_create_ && chunks.size() < k) steal(k - chunks.size(), chunks, false);
-    first_created = chunks.size();
-    for (std::size_t want = std::min(k - chunks.size(), creatable); want > 0; --want) {
-      physical_handle h;
-      try {
-        h = pool_.create();
-      } catch (const OutOfMemory&) {
-        break;  // the device is fuller than it said (shared): steal instead
-      }
-      chunks.push_back(h);
-      ++created;
-    }
-    if (chunks.size() < k) steal(k - chunks.size(), chunks, true);
+    gather_chunks(k, creatable, chunks, first_created, created);
     if (chunks.size() < k)
       throw OutOfMemory("VirtualAllocator: out of memory allocating " + std::to_string(nbytes) +
                             " bytes: the device refused chunks it reported free",
@@ -729,21 +735,7 @@ void VirtualAllocator::map_backing(device_ptr ptr, stream_t stream) {
     }
   };
   try {
-    for (physical_handle h; chunks.size() < k && (h = pool_.take_cached()) != 0;)
-      chunks.push_back(h);
-    if (steal_before_create_ && chunks.size() < k) steal(k - chunks.size(), chunks, false);
-    first_created = chunks.size();
-    for (std::size_t want = std::min(k - chunks.size(), creatable); want > 0; --want) {
-      physical_handle h;
-      try {
-        h = pool_.create();
-      } catch (const OutOfMemory&) {
-        break;  // the device is fuller than it said (shared): steal instead
-      }
-      chunks.push_back(h);
-      ++created;
-    }
-    if (chunks.size() < k) steal(k - chunks.size(), chunks, true);
+    gather_chunks(k, creatable, chunks, first_created, created);
     if (chunks.size() < k)
       throw OutOfMemory("VirtualAllocator: out of memory backing " + std::to_string(nbytes) +
                             " bytes at " + hex(ptr) +

@@ -152,6 +152,12 @@ class VirtualAllocator final : public Allocator {
   // A new reservation of k chunks, mapped and accessible. Throws OutOfMemory (accounting
   // unchanged), DeviceError.
   Range* map_new_range(std::size_t k, std::size_t nbytes, stream_t stream);
+  // Gathers k chunks into `chunks` (allocate's and map_backing's order: the pool's cache,
+  // stealing first if steal_before_create, new chunks up to `creatable`, then stealing under
+  // pressure). chunks[first_created, first_created + created) were created here (released,
+  // not cached, on undo). Fewer than k only when the device refused chunks it reported free.
+  void gather_chunks(std::size_t k, std::size_t creatable, std::vector<physical_handle>& chunks,
+                     std::size_t& first_created, std::size_t& created);
   // Unmaps up to `need` chunks from cached ranges and empty arena chunks into `out`. With
   // `wait` false, only those whose frees' work is done (polled: no host wait) are taken.
   void steal(std::size_t need, std::vector<physical_handle>& out, bool wait);

@@ -338,7 +338,9 @@ def test_relocating_allocations_get_a_new_pointer_with_their_data(placement):
     data = fill(dev, p, n, 8)
     key = swap.swap_out(p)
     assert key != p                      # a host address names it from now on
-    assert swap.state(p) == swap.state(key) == "swapping_out"  # p too, while it holds p
+    # p names it too while it holds p (the copy may already have completed)
+    assert swap.state(p) in ("swapping_out", "on_host")
+    assert swap.state(key) in ("swapping_out", "on_host")
     swap.wait(key)
     assert alloc.stats().live_allocations == 0  # deallocated while on host
     assert swap.state(p) == "on_host"    # p still names it: no live allocation has p
