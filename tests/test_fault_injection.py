@@ -12,7 +12,6 @@ the operation with the k-th call failing. Each time:
 * nothing leaks: once the allocator is gone the emulated GPU holds nothing.
 """
 
-import dataclasses
 
 import pytest
 

@@ -12,7 +12,7 @@ import pytest
 
 from vmalloc.cli import main
 from vmalloc.replay import ALLOCATOR_KINDS, format_table, replay
-from vmalloc.traces import EVENT_DTYPE, VmtraceWriter, open_trace
+from vmalloc.traces import EVENT_DTYPE, open_trace
 from vmalloc.traces.events import ALLOC, FREE
 
 MiB = 1 << 20
