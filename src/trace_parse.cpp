@@ -234,8 +234,7 @@ const JsonTable json_table;
 
 // A string's raw text (between the quotes) compared with an ASCII word; escapes are decoded
 // (a \u escape beyond ASCII never equals an ASCII word).
-bool string_is(const char* b, const char* e, bool escaped, const char* word, std::size_t len) {
-  if (!escaped) return static_cast<std::size_t>(e - b) == len && std::memcmp(b, word, len) == 0;
+bool string_is_escaped(const char* b, const char* e, const char* word, std::size_t len) {
   std::size_t i = 0;
   while (b < e) {
     char c = *b++;
@@ -261,6 +260,12 @@ bool string_is(const char* b, const char* e, bool escaped, const char* word, std
     ++i;
   }
   return i == len;
+}
+
+inline __attribute__((always_inline)) bool string_is(const char* b, const char* e, bool escaped,
+                                                      const char* word, std::size_t len) {
+  if (!escaped) return static_cast<std::size_t>(e - b) == len && std::memcmp(b, word, len) == 0;
+  return string_is_escaped(b, e, word, len);
 }
 
 // A JSON integer token as int64; false if it does not fit.
@@ -304,6 +309,33 @@ struct Field {
   const char* e = nullptr;
   bool escaped = false;
 };
+
+// An event's "ts" as a double: 1 (t set), 0 (no numeric ts), -1 (the device's pass bails).
+int ts_value(const Field& ts, double& t) {
+  if (ts.kind != Field::integer && ts.kind != Field::floating && ts.kind != Field::boolean)
+    return 0;
+  if (ts.kind == Field::boolean) {
+    t = *ts.b == 't' ? 1.0 : 0.0;
+    return 1;
+  }
+  if (ts.kind == Field::integer && ts.e - ts.b > 15) return -1;  // exact as a double
+  if (ts.kind == Field::integer) {  // at most 15 characters: exact in a double, as strtod
+    const char* q = ts.b;
+    bool neg = *q == '-';
+    if (neg) ++q;
+    std::int64_t v = 0;
+    for (; q < ts.e; ++q) v = v * 10 + (*q - '0');
+    t = neg ? -static_cast<double>(v) : static_cast<double>(v);
+    return 1;
+  }
+  char tmp[1024];
+  std::size_t len = static_cast<std::size_t>(ts.e - ts.b);
+  if (len >= sizeof tmp) return -1;
+  std::memcpy(tmp, ts.b, len);
+  tmp[len] = 0;
+  t = std::strtod(tmp, nullptr);
+  return 1;
+}
 
 }  // namespace
 
@@ -612,6 +644,7 @@ KinetoScanner::R KinetoScanner::event(std::size_t& p, Events& out) {
         !token_magnitude(bytes.b, bytes.e, neg, mag) ||
         (allocated.kind == Field::integer && !token_int64(allocated.b, allocated.e, total))) {
       scans_ok = false;
+      drop_kept();
       device_scans.clear();
       return R::ok;
     }
@@ -622,10 +655,46 @@ KinetoScanner::R KinetoScanner::event(std::size_t& p, Events& out) {
       d.first_bytes_negative = neg;
       d.first_bytes = mag;
     }
-    if (mag != 0) {
-      TraceEvent e = make_event(neg ? TraceEvent::op_free : TraceEvent::op_alloc, 0, a, mag);
-      d.scan.feed(&e, 1);
+    TraceEvent e = make_event(neg ? TraceEvent::op_free : TraceEvent::op_alloc, 0, a, mag);
+    if (mag != 0) d.scan.feed(&e, 1);
+    if (keep_limit == 0 || kept_dropped) return R::ok;
+    // What the device's own pass does with the event (the checks above are its own too).
+    std::int64_t total_reserved = 0;
+    double t = 0;
+    int tk = ts_value(ts, t);
+    if (tk < 0 || (reserved.kind == Field::integer &&
+                   !token_int64(reserved.b, reserved.e, total_reserved))) {
+      drop_kept();
+      return R::ok;
     }
+    if (tk > 0) {
+      if (d.have_ts && t < d.last_ts) ++d.out_of_order;
+      d.last_ts = t;
+      d.have_ts = true;
+    }
+    ++d.matched;
+    if (allocated.kind == Field::integer) {
+      if (!d.have_peak_allocated || total > d.peak_allocated) d.peak_allocated = total;
+      d.have_peak_allocated = true;
+    }
+    if (reserved.kind == Field::integer && (!d.have_reserved || total_reserved > d.peak_reserved)) {
+      d.peak_reserved = total_reserved;
+      d.have_reserved = true;
+    }
+    if (mag == 0) {
+      ++d.zero_bytes;
+      return R::ok;
+    }
+    if (d.kept.empty() || d.kept.back().size() == kept_chunk) {
+      if (kept_bytes + kept_chunk * sizeof(TraceEvent) > keep_limit) {
+        drop_kept();
+        return R::ok;
+      }
+      d.kept.emplace_back();
+      d.kept.back().reserve(kept_chunk);
+      kept_bytes += kept_chunk * sizeof(TraceEvent);
+    }
+    d.kept.back().push_back(e);
     return R::ok;
   }
   if (dtype != want_type_ || (want_id_ >= 0 && did != want_id_)) return R::ok;
@@ -641,19 +710,10 @@ KinetoScanner::R KinetoScanner::event(std::size_t& p, Events& out) {
     return R::bail;
   if (reserved.kind == Field::integer && !token_int64(reserved.b, reserved.e, total_reserved))
     return R::bail;
-  if (ts.kind == Field::integer || ts.kind == Field::floating || ts.kind == Field::boolean) {
-    double t;
-    if (ts.kind == Field::boolean) {
-      t = *ts.b == 't' ? 1.0 : 0.0;
-    } else {
-      if (ts.kind == Field::integer && ts.e - ts.b > 15) return R::bail;  // exact as a double
-      char tmp[1024];
-      std::size_t len = static_cast<std::size_t>(ts.e - ts.b);
-      if (len >= sizeof tmp) return R::bail;
-      std::memcpy(tmp, ts.b, len);
-      tmp[len] = 0;
-      t = std::strtod(tmp, nullptr);
-    }
+  double t = 0;
+  int tk = ts_value(ts, t);
+  if (tk < 0) return R::bail;
+  if (tk > 0) {
     if (have_ts_ && t < last_ts_) ++out_of_order;
     last_ts_ = t;
     have_ts_ = true;
@@ -693,6 +753,12 @@ std::size_t KinetoScanner::count_device(std::int64_t type, std::int64_t id) {
   devices.push_back({{type, id}, 1});
   if (want_type_ == count_devices && scans_ok) device_scans.emplace_back();
   return devices.size() - 1;
+}
+
+void KinetoScanner::drop_kept() {
+  kept_dropped = true;
+  kept_bytes = 0;
+  for (auto& d : device_scans) std::vector<Events>().swap(d.kept);
 }
 
 // A top-level member other than traceEvents, from its name: kept if its value is a scalar.
@@ -893,18 +959,58 @@ void Normalizer::feed(const TraceEvent* records, std::size_t n) {
   }
 }
 
+void BeforeWindowScanner::grow() {
+  std::vector<std::uint64_t> keys(keys_.empty() ? 1024 : keys_.size() * 2, 0);
+  std::vector<std::uint64_t> live(keys.size() / 64, 0);
+  keys_.swap(keys);
+  live_.swap(live);
+  shift_ = 64 - static_cast<unsigned>(__builtin_ctzll(keys_.size()));
+  std::size_t mask = keys_.size() - 1;
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    if (keys[i] == 0) continue;
+    std::size_t j = static_cast<std::size_t>((keys[i] * 0x9E3779B97F4A7C15ull) >> shift_);
+    while (keys_[j] != 0) j = (j + 1) & mask;
+    keys_[j] = keys[i];
+    if ((live[i >> 6] >> (i & 63)) & 1) set_live(j, true);
+  }
+}
+
+std::size_t BeforeWindowScanner::slot(std::uint64_t addr, bool& found) {
+  if (4 * (used_ + 1) > 3 * keys_.size()) grow();  // at most 3/4 full
+  std::size_t mask = keys_.size() - 1;
+  std::size_t j = static_cast<std::size_t>((addr * 0x9E3779B97F4A7C15ull) >> shift_);
+  for (;;) {
+    std::uint64_t k = keys_[j];
+    if (k == addr) {
+      found = true;
+      return j;
+    }
+    if (k == 0) {
+      keys_[j] = addr;
+      ++used_;
+      found = false;
+      return j;
+    }
+    j = (j + 1) & mask;
+  }
+}
+
 void BeforeWindowScanner::feed(const TraceEvent* records, std::size_t n) {
+  // scan_before_window: an address is live from its ALLOC (of a size) to its next FREE; a
+  // FREE of an address never seen before names memory allocated before the window.
+  bool found;
   for (std::size_t i = 0; i < n; ++i) {
     const TraceEvent& r = records[i];
     if (r.addr == 0) continue;
     if (r.op == TraceEvent::op_alloc) {
-      if (r.size) {
-        live_.insert(r.addr);
-        seen_.insert(r.addr);
-      }
-    } else if (live_.erase(r.addr)) {
-    } else if (seen_.insert(r.addr).second) {
+      if (r.size) set_live(slot(r.addr, found), true);
+      continue;
+    }
+    std::size_t j = slot(r.addr, found);
+    if (!found) {
       before.push_back(make_event(TraceEvent::op_alloc, r.stream, r.addr, r.size));
+    } else if (is_live(j)) {
+      set_live(j, false);
     }
   }
 }

@@ -324,3 +324,79 @@ def test_bounded_memory(tmp_path):
     growth_kb, largest_read = map(int, result.stdout.split())
     assert largest_read <= _fast.BLOCK
     assert growth_kb < 40_000, f"peak RSS grew by {growth_kb} KB reading 110 MB"
+
+
+# -- one pass for the default replay of a profiler trace -------------------------------------
+
+def _profiler_trace(path, n, gz=False):
+    """A profiler trace of ``n`` memory events on cuda:0 (plus a few on the CPU), pairs of
+    alloc and free over a few addresses, some freed before the window."""
+    parts = []
+    for i in range(n):
+        addr = 0x7F0000000000 + (i // 2 % 97) * 4096
+        size = 512 * (1 + i % 5)
+        if i % 2:
+            size = -512 * (1 + (i - 1) % 5)
+        if i < 6:  # frees of memory allocated before the window
+            addr, size = 0x7E0000000000 + i * 4096, -1024
+        device = '"Device Type": 0' if i % 50 == 0 else '"Device Type": 1, "Device Id": 0'
+        parts.append('{"name": "[memory]", "ph": "i", "ts": %d, "args": {%s, "Addr": %d, '
+                     '"Bytes": %d, "Total Allocated": %d, "Total Reserved": %d}}'
+                     % (i, device, addr, size, 1 << 20, 2 << 20))
+        if i % 4 == 3:
+            parts.append('{"name": "aten::mm", "ph": "X", "ts": %d, "dur": 1.5, "args": {}}' % i)
+    text = '{"schemaVersion": 1, "traceEvents": [\n' + ",\n".join(parts) + '\n], "x": 2}'
+    if gz:
+        path.write_bytes(gzip.compress(text.encode()))
+    else:
+        path.write_text(text)
+    return path
+
+
+def _replay_json(capsys, path):
+    from vmalloc.cli import main
+
+    assert main(["replay", str(path), "-a", "caching", "--no-min-capacity", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for result in out["results"] if isinstance(out, dict) and "results" in out else out:
+        for key in list(result):
+            if key.endswith("seconds") or key.endswith("_per_second"):
+                del result[key]
+    return out
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_default_replay_reads_a_profiler_trace_once(tmp_path, monkeypatch, capsys, gz):
+    """The CLI's default (device auto, before_window live) decodes the file once: the
+    device count keeps the events for the replay. Over KEEP_BYTES it reads the file twice,
+    with the same results; and the events, counters and metadata match the Python reader's."""
+    path = _profiler_trace(tmp_path / ("t.json.gz" if gz else "t.json"), 40_000, gz)
+    monkeypatch.setattr(_fast, "file_passes", 0)
+    once = _replay_json(capsys, path)
+    assert _fast.file_passes == 1
+    assert _fast._kept is None  # taken: nothing held after the replay
+    monkeypatch.setattr(_fast, "KEEP_BYTES", 512 << 10)  # one chunk: 16384 events
+    monkeypatch.setattr(_fast, "file_passes", 0)
+    twice = _replay_json(capsys, path)
+    assert _fast.file_passes == 2
+    assert _fast._kept is None
+    assert once == twice
+    monkeypatch.undo()
+    assert_same(path)
+    assert_same(path, before_window="drop")
+
+
+def test_kept_events_stay_within_the_cap(tmp_path):
+    """The device count keeps at most its cap of decoded events; beyond it drops them all."""
+    path = _profiler_trace(tmp_path / "t.json", 40_000)
+    data = path.read_bytes()
+    for cap, kept in ((64 << 20, True), (1 << 20, False), (0, False)):
+        fast = _fast._trace_parse.Pass("kineto", None, -1, True, cap)
+        for i in range(0, len(data), 1 << 16):
+            assert fast.feed(data[i:i + (1 << 16)])
+            assert fast.kept_bytes() <= cap
+        assert fast.finish()
+        by_device = fast.take_kept()
+        assert (by_device is not None) == kept
+        if kept:
+            assert sum(k.records for k in by_device.values()) == 40_000  # none zero-byte

@@ -39,6 +39,10 @@ cdef extern from "vmalloc/trace_parse.hpp" namespace "vmalloc::trace_parse" nogi
         int64_t first_allocated
         bool first_bytes_negative
         uint64_t first_bytes
+        vector[vector[TraceEvent]] kept
+        uint64_t matched, out_of_order, zero_bytes
+        bool have_peak_allocated, have_reserved
+        int64_t peak_allocated, peak_reserved
 
     cdef cppclass KinetoScanner:
         KinetoScanner(int64_t want_type, int64_t want_id)
@@ -53,6 +57,8 @@ cdef extern from "vmalloc/trace_parse.hpp" namespace "vmalloc::trace_parse" nogi
         uint64_t first_bytes
         vector[DeviceScan] device_scans
         bool scans_ok
+        size_t keep_limit, kept_bytes
+        bool kept_dropped
 
     cdef cppclass Normalizer:
         void live_before(const TraceEvent* events, size_t n)
@@ -89,6 +95,19 @@ cdef object _array(const TraceEvent* events, size_t n):
     return out
 
 
+cdef class Kept:
+    """One device's raw records kept by a pass that counts devices (:meth:`Pass.take_kept`),
+    in chunks, with the ``reader_state()`` its own pass would leave (:attr:`state`)."""
+
+    cdef vector[vector[TraceEvent]] chunks
+    cdef readonly uint64_t records
+    cdef readonly object state
+
+    def __len__(self):
+        """The number of chunks."""
+        return self.chunks.size()
+
+
 cdef class Pass:
     """One pass over a trace file's raw records: parsed by the C++ reader of ``format``
     (``"rmm_csv"`` or ``"kineto"``), then normalized (``scan=False``) or scanned for memory
@@ -104,14 +123,19 @@ cdef class Pass:
     cdef readonly uint64_t records
     cdef readonly object format
 
-    def __cinit__(self, format, want_type=0, int64_t want_id=-1, bint scan=False):
-        """``want_type`` None (kineto): the memory events are only counted by device."""
+    def __cinit__(self, format, want_type=0, int64_t want_id=-1, bint scan=False,
+                  size_t keep_bytes=0):
+        """``want_type`` None (kineto): the memory events are only counted by device; with
+        ``keep_bytes``, each device's raw records are also kept while they take at most that
+        many bytes (:meth:`take_kept`)."""
         self.format = format
         if format == "rmm_csv":
             self.csv = new RmmCsvParser()
         elif format == "kineto":
             self.kineto = new KinetoScanner(
                 INT64_MIN if want_type is None else <int64_t>want_type, want_id)
+            if want_type is None:
+                self.kineto.keep_limit = keep_bytes
         else:
             raise ValueError(f"no fast reader for {format!r}")
         if scan:
@@ -172,6 +196,18 @@ cdef class Pass:
                 self.norm.feed(events, n)
             else:
                 self.before.feed(events, n)
+        self.records += n
+
+    def feed_kept(self, Kept kept, size_t i):
+        """Normalizes (or scans) chunk ``i`` of ``kept``, then frees it."""
+        cdef vector[TraceEvent] empty
+        cdef size_t n = kept.chunks[i].size()
+        with nogil:
+            if n and self.norm != NULL:
+                self.norm.feed(kept.chunks[i].data(), n)
+            elif n:
+                self.before.feed(kept.chunks[i].data(), n)
+            kept.chunks[i].swap(empty)
         self.records += n
 
     def live_before(self, before):
@@ -255,6 +291,42 @@ cdef class Pass:
                 nbytes = -int(d.first_bytes) if d.first_bytes_negative else int(d.first_bytes)
                 allocated = max(0, int(d.first_allocated) - nbytes)
             out[(k.devices[i].first.first, k.devices[i].first.second)] = (before, allocated)
+        return out
+
+    def kept_bytes(self):
+        """The bytes of records kept now (a pass that counts devices)."""
+        return self.kineto.kept_bytes
+
+    def take_kept(self):
+        """After a pass that counts devices with ``keep_bytes``: ``{(type, id): Kept}``, the
+        records moved out of the pass; None where they were dropped (over the limit, or an
+        event the device's own pass would not take) or none were kept."""
+        k = self.kineto
+        if (k.keep_limit == 0 or k.kept_dropped or not k.scans_ok
+                or k.device_scans.size() != k.devices.size()):
+            return None
+        metadata = [(p.first.decode(), p.second.decode()) for p in k.metadata]
+        devices = [((v.first.first, v.first.second), v.second) for v in k.devices]
+        out = {}
+        cdef size_t i
+        cdef DeviceScan* d
+        cdef Kept kept
+        for i in range(k.devices.size()):
+            d = &k.device_scans[i]
+            kept = Kept()
+            kept.chunks.swap(d.kept)
+            kept.records = 0
+            for j in range(kept.chunks.size()):
+                kept.records += kept.chunks[j].size()
+            before = None
+            if d.have_allocated:
+                nbytes = -int(d.first_bytes) if d.first_bytes_negative else int(d.first_bytes)
+                before = max(0, int(d.first_allocated) - nbytes)
+            kept.state = (metadata, devices, d.out_of_order, k.ooms, d.zero_bytes,
+                          (int(d.peak_allocated) if d.have_peak_allocated else None,
+                           int(d.peak_reserved) if d.have_reserved else None, before))
+            out[(k.devices[i].first.first, k.devices[i].first.second)] = kept
+        k.kept_bytes = 0
         return out
 
     def reader_state(self):

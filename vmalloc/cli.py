@@ -310,6 +310,10 @@ def _plan(path, choice, args, quiet):
     if devices is None:  # a format of one device
         return [(path, name, "auto")]
     chosen = list(devices) if choice == "all" else [d for d in devices if d.startswith("cuda")]
+    if choice != "all":
+        from vmalloc.traces import _fast
+
+        _fast.keep_only(chosen)  # the device count kept every device's events for its replay
     if not chosen:
         found = ", ".join(devices) or "no device"
         raise _CliError(f"{path}: no GPU memory events, only events for {found} (replay "

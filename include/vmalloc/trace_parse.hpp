@@ -51,7 +51,19 @@ class BeforeWindowScanner {
   void feed(const TraceEvent* records, std::size_t n);
   Events before;  // as ALLOC records (stream, addr, size), in order of appearance
  private:
-  std::unordered_set<std::uint64_t> live_, seen_;
+  // Open addressing, linear probing: each address seen (never 0: 0 marks an empty slot),
+  // with a bit that says whether it is live (one probe an event, the bits small enough to
+  // stay cached; node-based sets made this scan a tenth of the device count).
+  std::size_t slot(std::uint64_t addr, bool& found);
+  void grow();
+  bool is_live(std::size_t i) const { return (live_[i >> 6] >> (i & 63)) & 1; }
+  void set_live(std::size_t i, bool v) {
+    std::uint64_t bit = std::uint64_t{1} << (i & 63);
+    live_[i >> 6] = v ? live_[i >> 6] | bit : live_[i >> 6] & ~bit;
+  }
+  std::vector<std::uint64_t> keys_, live_;
+  std::size_t used_ = 0;
+  unsigned shift_ = 64;
 };
 
 // The [memory] events of a chrome-trace JSON (vmalloc/traces/kineto.py, _json_stream.py).
@@ -87,9 +99,23 @@ class KinetoScanner {
     std::int64_t first_allocated = 0;
     bool first_bytes_negative = false;
     std::uint64_t first_bytes = 0;
+    // keep_limit > 0: the device's raw memory records (chunks of kept_chunk), with what its
+    // own pass would count (KinetoReader.records), so that pass need not read the file again.
+    std::vector<Events> kept;
+    std::uint64_t matched = 0, out_of_order = 0, zero_bytes = 0;
+    bool have_ts = false;
+    double last_ts = 0;
+    bool have_peak_allocated = false, have_reserved = false;
+    std::int64_t peak_allocated = 0, peak_reserved = 0;
   };
   std::vector<DeviceScan> device_scans;
   bool scans_ok = true;
+  // count_devices: the bytes of records the device scans may keep (0: none). Beyond it, or
+  // at an event the device's own pass would bail at, every kept record is dropped
+  // (kept_dropped) and the device's pass reads the file.
+  static constexpr std::size_t kept_chunk = 16384;  // records per chunk (512 KiB)
+  std::size_t keep_limit = 0, kept_bytes = 0;
+  bool kept_dropped = false;
 
  private:
   enum class R { ok, more, bail };
@@ -102,6 +128,7 @@ class KinetoScanner {
   VMALLOC_TRACE_PARSE_INTERNAL R event(std::size_t& p, Events& out);
   VMALLOC_TRACE_PARSE_INTERNAL R member(std::size_t& p);
   VMALLOC_TRACE_PARSE_INTERNAL std::size_t count_device(std::int64_t type, std::int64_t id);
+  VMALLOC_TRACE_PARSE_INTERNAL void drop_kept();
 
   std::int64_t want_type_, want_id_;
   std::string buf_;

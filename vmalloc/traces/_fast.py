@@ -3,8 +3,11 @@
 reference.
 
 The file is read in blocks of :data:`BLOCK` bytes (through :func:`~vmalloc.traces._files.
-open_binary`, so ``.gz`` is decompressed on the fly), so memory stays at one block, one
-incomplete record and the live allocations, whatever the file size. The C++ parsers accept
+open_binary`, so ``.gz`` is decompressed on the fly; a thread reads a few blocks ahead), so
+memory stays at a few blocks, one incomplete record and the live allocations, whatever the file
+size. The device count of a profiler trace (``device="auto"``) also keeps the decoded events of
+each device, up to :data:`KEEP_BYTES`, so that the device's replay need not read the file
+again. The C++ parsers accept
 only input whose meaning is certain; at anything else (a malformed record, an odd construct,
 an over-long one, an I/O error, a missing device) they stop, and the Python reader reads the
 file again, its first records (those the C++ side already took) skipped: the events, counters,
@@ -33,6 +36,14 @@ except ImportError:  # a build without the extension: the Python readers alone
 
 #: Bytes read from the file at a time.
 BLOCK = 1 << 20
+#: The most bytes of decoded memory events (32 an event, in chunks of 512 KiB) that the
+#: device count of a profiler trace (``device="auto"``) keeps for the pass that follows, so
+#: that the replay of the device decodes them from memory instead of reading the file again
+#: (256 MiB: 8 Mi events). Beyond it they are dropped and that pass reads the file: memory
+#: stays bounded whatever the file size. 0 keeps none.
+KEEP_BYTES = 256 << 20
+#: Passes over a file's blocks so far (device counts, scans and replays together): for tests.
+file_passes = 0
 _BOM = b"\xef\xbb\xbf"
 _FORMATS = ("rmm_csv", "kineto")
 
@@ -53,41 +64,114 @@ def _new_pass(reader, scan):
     return _trace_parse.Pass("rmm_csv", 0, -1, scan)
 
 
+#: Blocks read ahead of the parser (in a thread: reading and decompressing overlap parsing),
+#: where blocks are at least :data:`_READ_AHEAD_MIN` bytes.
+_READ_AHEAD = 2
+_READ_AHEAD_MIN = 1 << 16
+
+
+def _read_ahead(f, free, full):
+    """The reading thread: fills the buffers of ``free`` and puts ``(buffer, bytes)`` on
+    ``full``, ``(None, None)`` at a read error the Python reader words, ``(None, exception)``
+    at any other; stops at the end of the file or at a None buffer."""
+    while True:
+        buffer = free.get()
+        if buffer is None:
+            return
+        try:
+            n = f.readinto(memoryview(buffer))
+        except (OSError, EOFError, zlib.error):
+            full.put((None, None))
+            return
+        except BaseException as error:  # raised by the parser's thread, as it would be there
+            full.put((None, error))
+            return
+        full.put((buffer, n))
+        if not n:
+            return
+
+
+def _read_blocks(f):
+    """``(buffer, bytes)`` for each block of ``f``, then ``(buffer, 0)``; ``(None, None)`` at
+    a read error (the Python reader words it). A buffer is reused once the next is asked."""
+    if BLOCK < _READ_AHEAD_MIN:
+        buffer = bytearray(BLOCK)  # one buffer, refilled: no allocation per block
+        while True:
+            try:
+                n = f.readinto(memoryview(buffer))
+            except (OSError, EOFError, zlib.error):
+                yield None, None
+                return
+            yield buffer, n
+            if not n:
+                return
+    free, full = queue.Queue(), queue.Queue()
+    for _ in range(_READ_AHEAD + 1):
+        free.put(bytearray(BLOCK))
+    thread = threading.Thread(target=_read_ahead, args=(f, free, full),
+                              name="vmalloc-trace-read-ahead", daemon=True)
+    thread.start()
+    try:
+        while True:
+            buffer, n = full.get()
+            if buffer is None:
+                if n is not None:
+                    raise n
+                yield None, None
+                return
+            yield buffer, n
+            if not n:
+                return
+            free.put(buffer)  # parsed (the C++ side copies what it keeps)
+    finally:
+        free.put(None)
+        thread.join()
+
+
 def _blocks(path, fast):
     """Feeds ``fast`` the file's blocks; yields after each. Returns False where the C++ side
     bailed out (or reading failed: the Python reader words it)."""
+    global file_passes
+    file_passes += 1
     ok = True
-    buffer = bytearray(BLOCK)  # one buffer, refilled: no allocation per block
-    view = memoryview(buffer)
     with open_binary(path) as f:
-        first = True
-        while True:
-            try:
-                n = f.readinto(view)
-            except (OSError, EOFError, zlib.error):  # the Python reader words it
-                ok = False
-                break
-            block = view[:n]
-            if first:
-                first = False
-                if block[:3] == _BOM:
-                    block = block[len(_BOM):]
-                elif len(block) < len(_BOM) and _BOM.startswith(block) and len(block):
-                    ok = False  # a cut BOM: let the Python reader decide
+        blocks = _read_blocks(f)
+        try:
+            first = True
+            for buffer, n in blocks:
+                if buffer is None:  # the Python reader words it
+                    ok = False
                     break
-            if not len(block):
-                ok = fast.finish()
-                break
-            if not fast.feed(block):
-                ok = False
-                break
-            yield
+                block = memoryview(buffer)[:n]
+                if first:
+                    first = False
+                    if block[:3] == _BOM:
+                        block = block[len(_BOM):]
+                    elif len(block) < len(_BOM) and _BOM.startswith(block) and len(block):
+                        ok = False  # a cut BOM: let the Python reader decide
+                        break
+                if not len(block):
+                    ok = fast.finish()
+                    break
+                if not fast.feed(block):
+                    ok = False
+                    break
+                yield
+        finally:
+            blocks.close()
     return ok
 
 
 def _run(reader, fast):
     """Feeds ``fast`` every raw record of the file; yields after each block. Leaves
     ``reader.metadata`` and ``reader.skipped`` as the Python reader's pass would."""
+    kept = _take_kept(reader)
+    if kept is not None:  # the device count decoded them already
+        for i in range(len(kept)):
+            fast.feed_kept(kept, i)
+            yield
+        _reader_state(reader, fast, kept.state)
+        return
     ok = yield from _blocks(reader.path, fast)
     if ok:
         _reader_state(reader, fast)
@@ -105,7 +189,7 @@ def _run(reader, fast):
         yield
 
 
-def _reader_state(reader, fast):
+def _reader_state(reader, fast, state=None):
     if reader.format == "rmm_csv":
         columns, failures = fast.reader_state()
         reader.metadata = {"columns": columns}
@@ -113,7 +197,8 @@ def _reader_state(reader, fast):
         return
     from vmalloc.traces.kineto import _device_label
 
-    members, devices, out_of_order, ooms, zero_bytes, recorded = fast.reader_state()
+    members, devices, out_of_order, ooms, zero_bytes, recorded = (
+        fast.reader_state() if state is None else state)
     metadata = {}
     for key, value in members:
         metadata[json.loads(key)] = json.loads(value)
@@ -135,10 +220,13 @@ def _reader_state(reader, fast):
 def kineto_devices(path):
     """``KinetoReader.devices()`` of the file at ``path`` (``{(type, id): events}``), counted
     in C++; None where the fast path is off or bails out (the Python reader then counts, or
-    words the error)."""
+    words the error). Each device's decoded memory events are also kept, up to
+    :data:`KEEP_BYTES` in all, for the pass that follows (:func:`_take_kept`)."""
     if _trace_parse is None or os.environ.get("VMALLOC_PYTHON_READERS"):
         return None
-    fast = _trace_parse.Pass("kineto", None, -1, True)
+    global _scans, _kept
+    _kept = None  # the last count's only: memory stays within KEEP_BYTES
+    fast = _trace_parse.Pass("kineto", None, -1, True, KEEP_BYTES)
     blocks = _blocks(path, fast)
     while True:
         try:
@@ -148,10 +236,51 @@ def kineto_devices(path):
             break
     if not ok:
         return None
-    global _scans
     scans = fast.device_scans()
-    _scans = None if scans is None else (_identity(path), scans)
+    identity = _identity(path)
+    _scans = None if scans is None else (identity, scans)
+    kept = fast.take_kept()
+    if kept is not None and identity is not None:
+        _kept = (identity, kept)
     return dict(sorted(fast.reader_state()[1]))
+
+
+#: The decoded memory events of the last device count, by device: ``(file identity,
+#: {(type, id): Kept})``, each taken (once) by the device's next pass instead of reading
+#: the file again; None where they were not kept (over :data:`KEEP_BYTES`, ...).
+_kept = None
+
+
+def keep_only(devices):
+    """Drops the kept events of every device but ``devices`` (labels: ``"cuda:0"``,
+    ``"cpu"``): those no pass will take (the device count keeps them all)."""
+    global _kept
+    found = _kept
+    if found is None:
+        return
+    from vmalloc.traces.kineto import _device_label
+
+    by_device = found[1]
+    for key in [k for k in by_device if _device_label(*k) not in devices]:
+        del by_device[key]
+    if not by_device:
+        _kept = None
+
+
+def _take_kept(reader):
+    """The events the device count kept for ``reader``'s device (a ``Kept``), or None (used
+    once)."""
+    global _kept
+    found = _kept
+    if found is None or reader.format != "kineto" or reader.index is None:
+        return None
+    identity, by_device = found
+    kept = by_device.pop((reader.device_type, reader.index), None)
+    if not by_device:
+        _kept = None
+    if kept is None or identity != _identity(reader.path):
+        return None
+    return kept
 
 
 #: The per-device scans of the last device count: ``(file identity, {(type, id): (before,

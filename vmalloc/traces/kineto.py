@@ -44,6 +44,7 @@ class KinetoReader(RecordReaderPass):
             # The trace's only GPU device (a rank of a multi-GPU job records its own): one
             # pass over the file to find it.
             name = only_gpu_device(self.devices(), path)
+            _fast.keep_only((name,))  # the count kept every device's events
             kind, index = "cuda", int(name.split(":")[1])
         self.kind = kind
         self.index = index
