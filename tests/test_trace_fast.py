@@ -400,3 +400,18 @@ def test_kept_events_stay_within_the_cap(tmp_path):
         assert (by_device is not None) == kept
         if kept:
             assert sum(k.records for k in by_device.values()) == 40_000  # none zero-byte
+
+
+def test_a_device_id_beyond_int64_is_left_to_the_python_reader(tmp_path):
+    """Hypothesis found it: "Device Id": 2**63 overflowed the C++ pass's int64 ordinal."""
+    import json
+
+    from vmalloc.traces import open_trace
+
+    big = 1 << 63
+    events = [{"ph": "i", "name": "[memory]", "ts": t, "pid": 1, "tid": 1,
+               "args": {"Addr": 4096, "Bytes": n, "Device Type": 1, "Device Id": big}}
+              for t, n in ((1, 512), (2, -512))]
+    path = tmp_path / "big_id.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert open_trace(path, device=f"cuda:{big}").scan().events == 2

@@ -50,10 +50,14 @@ _FORMATS = ("rmm_csv", "kineto")
 
 def available(reader):
     """Whether ``reader``'s passes can take the fast path."""
+    index = getattr(reader, "index", None)
     return (
         _trace_parse is not None
         and getattr(reader, "format", None) in _FORMATS
         and not os.environ.get("VMALLOC_PYTHON_READERS")
+        # The C++ pass takes the device ordinal as an int64: a larger one (a hostile
+        # "Device Id") is left to the Python reader.
+        and (index is None or -(1 << 63) <= index < (1 << 63))
     )
 
 
