@@ -1,4 +1,4 @@
-# Declarations of the C++ allocator interface (include/vmalloc/allocator.hpp) and the Python
+# Declarations of the C++ allocator interface (include/vmalloc/alloc/allocator.hpp) and the Python
 # base class of every allocator wrapper (VirtualAllocator, CachingAllocator, ...).
 from libc.stdint cimport uintptr_t
 from libcpp.memory cimport shared_ptr
@@ -7,7 +7,7 @@ from libcpp.string cimport string
 from vmalloc._device cimport CDevice, Device, vmalloc_raise_py_error
 
 
-cdef extern from "vmalloc/stats.hpp" namespace "vmalloc" nogil:
+cdef extern from "vmalloc/base/stats.hpp" namespace "vmalloc" nogil:
     cdef cppclass CStats "vmalloc::Stats":
         size_t requested_bytes
         size_t peak_requested_bytes
@@ -26,11 +26,11 @@ cdef extern from "vmalloc/stats.hpp" namespace "vmalloc" nogil:
         string summary()
 
 
-cdef extern from "vmalloc/types.hpp" namespace "vmalloc" nogil:
+cdef extern from "vmalloc/base/types.hpp" namespace "vmalloc" nogil:
     cdef size_t unknown_size
 
 
-cdef extern from "vmalloc/allocator.hpp" namespace "vmalloc" nogil:
+cdef extern from "vmalloc/alloc/allocator.hpp" namespace "vmalloc" nogil:
     cdef cppclass CAllocator "vmalloc::Allocator":
         uintptr_t allocate(size_t nbytes, uintptr_t stream) except +vmalloc_raise_py_error
         void deallocate(uintptr_t ptr, size_t nbytes,

@@ -9,7 +9,7 @@ from vmalloc._device cimport stream_handle, vmalloc_raise_py_error
 from vmalloc.sizes import parse_size
 
 
-cdef extern from "vmalloc/bench.hpp" namespace "vmalloc::bench" nogil:
+cdef extern from "vmalloc/bench/bench.hpp" namespace "vmalloc::bench" nogil:
     cdef cppclass PairTiming:
         size_t pairs
         double seconds

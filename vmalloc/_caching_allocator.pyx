@@ -14,7 +14,7 @@ from vmalloc.errors import InvalidArgumentError
 from vmalloc.sizes import parse_size
 
 
-cdef extern from "vmalloc/caching_allocator.hpp" namespace "vmalloc" nogil:
+cdef extern from "vmalloc/alloc/caching_allocator.hpp" namespace "vmalloc" nogil:
     cdef enum class CCachingPolicy "vmalloc::CachingPolicy":
         pytorch
         nnabla
@@ -78,7 +78,7 @@ cdef extern from "vmalloc/caching_allocator.hpp" namespace "vmalloc" nogil:
         size_t segment_size(size_t rounded)
 
 
-cdef extern from "vmalloc/caching_allocator.hpp" namespace "vmalloc::CachingAllocatorOptions" nogil:
+cdef extern from "vmalloc/alloc/caching_allocator.hpp" namespace "vmalloc::CachingAllocatorOptions" nogil:
     cdef size_t unlimited
 
 

@@ -8,12 +8,12 @@ from libcpp.vector cimport vector
 from vmalloc._device cimport CDevice, Device, vmalloc_raise_py_error
 
 
-cdef extern from "vmalloc/detail/cuda_driver.hpp" namespace "vmalloc::driver" nogil:
+cdef extern from "vmalloc/device/detail/cuda_driver.hpp" namespace "vmalloc::driver" nogil:
     vector[string] driver_entry_point_symbols() except +
     string default_driver_library() except +
 
 
-cdef extern from "vmalloc/cuda_device.hpp" namespace "vmalloc" nogil:
+cdef extern from "vmalloc/device/cuda_device.hpp" namespace "vmalloc" nogil:
     cdef cppclass CCudaDevice "vmalloc::CudaDevice"(CDevice):
         CCudaDevice(int ordinal, const string& library) except +vmalloc_raise_py_error
         const string& library()

@@ -14,7 +14,7 @@ from vmalloc._device cimport CDevice, Device, vmalloc_raise_py_error
 from vmalloc.errors import InvalidArgumentError
 
 
-cdef extern from "vmalloc/current_allocator.hpp" nogil:
+cdef extern from "vmalloc/alloc/current_allocator.hpp" nogil:
     int max_registry_devices "vmalloc::max_registry_devices"
     shared_ptr[CAllocator] c_set_current_allocator "vmalloc::set_current_allocator"(
         int device, shared_ptr[CAllocator] allocator) except +vmalloc_raise_py_error
@@ -24,7 +24,7 @@ cdef extern from "vmalloc/current_allocator.hpp" nogil:
 
 
 # Allocator::device(), which vmalloc/_allocator.pxd does not declare.
-cdef extern from "vmalloc/allocator.hpp" nogil:
+cdef extern from "vmalloc/alloc/allocator.hpp" nogil:
     cdef cppclass AllocatorOnDevice "vmalloc::Allocator":
         const shared_ptr[CDevice]& device()
 

@@ -1,4 +1,4 @@
-# Declarations of the C++ device interface (include/vmalloc/device.hpp) and the Python base
+# Declarations of the C++ device interface (include/vmalloc/device/device.hpp) and the Python base
 # class that every device wrapper (HostDevice, CudaDevice) derives from.
 from libc.stdint cimport uint64_t, uintptr_t
 from libcpp cimport bool
@@ -10,7 +10,7 @@ cdef extern from "_translate.hpp":
     cdef void vmalloc_raise_py_error()
 
 
-cdef extern from "vmalloc/driver_calls.hpp" namespace "vmalloc" nogil:
+cdef extern from "vmalloc/base/driver_calls.hpp" namespace "vmalloc" nogil:
     cdef size_t driver_call_count
     const char* driver_call_name_at(size_t index)
 
@@ -31,7 +31,7 @@ cdef extern from "vmalloc/driver_calls.hpp" namespace "vmalloc" nogil:
         uint64_t memory_management_calls()
 
 
-cdef extern from "vmalloc/device.hpp" namespace "vmalloc" nogil:
+cdef extern from "vmalloc/device/device.hpp" namespace "vmalloc" nogil:
     cdef cppclass CDevice "vmalloc::Device":
         string name()
         int ordinal()

@@ -9,7 +9,7 @@ from vmalloc.errors import DeviceError
 from vmalloc.sizes import parse_size
 
 
-cdef extern from "vmalloc/host_device.hpp" namespace "vmalloc" nogil:
+cdef extern from "vmalloc/device/host_device.hpp" namespace "vmalloc" nogil:
     cdef cppclass CHostDeviceOptions "vmalloc::HostDeviceOptions":
         size_t capacity
         size_t granularity

@@ -12,7 +12,7 @@ from vmalloc._allocator cimport Allocator, CAllocator
 from vmalloc._device cimport vmalloc_raise_py_error
 
 
-cdef extern from "vmalloc/logging_adaptor.hpp" namespace "vmalloc" nogil:
+cdef extern from "vmalloc/trace/logging_adaptor.hpp" namespace "vmalloc" nogil:
     cdef cppclass CLoggingAdaptor "vmalloc::LoggingAdaptor"(CAllocator):
         CLoggingAdaptor(shared_ptr[CAllocator] upstream,
                         const string& path) except +vmalloc_raise_py_error

@@ -1,4 +1,4 @@
-# Declarations of the replay engine (include/vmalloc/replay.hpp) and its Python wrapper.
+# Declarations of the replay engine (include/vmalloc/trace/replay.hpp) and its Python wrapper.
 from libc.stdint cimport int64_t, uint8_t, uint64_t
 from libcpp cimport bool
 from libcpp.memory cimport shared_ptr, unique_ptr
@@ -8,7 +8,7 @@ from vmalloc._allocator cimport Allocator, CAllocator
 from vmalloc._device cimport vmalloc_raise_py_error
 
 
-cdef extern from "vmalloc/replay.hpp" namespace "vmalloc" nogil:
+cdef extern from "vmalloc/trace/replay.hpp" namespace "vmalloc" nogil:
     cdef cppclass TraceEvent:
         uint8_t op
         uint64_t stream

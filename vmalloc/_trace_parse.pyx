@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """The C++ fast path of the RMM CSV and Kineto JSON readers and of their normalization
-(src/trace_parse.cpp), driven by :mod:`vmalloc.traces._fast`."""
+(src/trace/trace_parse.cpp), driven by :mod:`vmalloc.traces._fast`."""
 
 from libc.stdint cimport INT64_MIN, int64_t, uint8_t, uint64_t
 from libc.string cimport memcpy, memset
@@ -14,7 +14,7 @@ import numpy as np
 from vmalloc.traces.events import EVENT_DTYPE
 
 
-cdef extern from "vmalloc/replay.hpp" namespace "vmalloc" nogil:
+cdef extern from "vmalloc/trace/replay.hpp" namespace "vmalloc" nogil:
     cdef cppclass TraceEvent:
         uint8_t op
         uint64_t stream
@@ -22,7 +22,7 @@ cdef extern from "vmalloc/replay.hpp" namespace "vmalloc" nogil:
         uint64_t size
 
 
-cdef extern from "vmalloc/trace_parse.hpp" namespace "vmalloc::trace_parse" nogil:
+cdef extern from "vmalloc/trace/trace_parse.hpp" namespace "vmalloc::trace_parse" nogil:
     cdef cppclass RmmCsvParser:
         bool feed(const char* data, size_t n, vector[TraceEvent]& out)
         bool finish(vector[TraceEvent]& out)

@@ -7,7 +7,7 @@
 #include <exception>
 #include <new>
 
-#include "vmalloc/errors.hpp"
+#include "vmalloc/base/errors.hpp"
 
 namespace vmalloc_py {
 

@@ -11,7 +11,7 @@ from vmalloc._device cimport CDevice, Device, stream_handle, vmalloc_raise_py_er
 from vmalloc.sizes import parse_size
 
 
-cdef extern from "vmalloc/virtual_allocator.hpp" namespace "vmalloc" nogil:
+cdef extern from "vmalloc/alloc/virtual_allocator.hpp" namespace "vmalloc" nogil:
     cdef cppclass VirtualAllocatorOptions:
         size_t chunk_size
         size_t budget
@@ -64,7 +64,7 @@ cdef extern from "vmalloc/virtual_allocator.hpp" namespace "vmalloc" nogil:
         void map_backing(uint64_t ptr, uint64_t stream) except +vmalloc_raise_py_error
 
 
-cdef extern from "vmalloc/packed_virtual_allocator.hpp" namespace "vmalloc" nogil:
+cdef extern from "vmalloc/alloc/packed_virtual_allocator.hpp" namespace "vmalloc" nogil:
     cdef cppclass PackedVirtualAllocatorOptions:
         size_t chunk_size
         size_t budget
@@ -463,7 +463,7 @@ def raise_invalid(message):
     raise InvalidArgumentError(message)
 
 
-cdef extern from "vmalloc/physical_chunk_pool.hpp" namespace "vmalloc" nogil:
+cdef extern from "vmalloc/chunks/physical_chunk_pool.hpp" namespace "vmalloc" nogil:
     cdef cppclass ChunkPoolStats:
         size_t chunk_size
         size_t budget_bytes

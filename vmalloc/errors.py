@@ -1,6 +1,6 @@
 """Exceptions raised by vmalloc.
 
-Each C++ exception of the core (``include/vmalloc/errors.hpp``) arrives in Python as the
+Each C++ exception of the core (``include/vmalloc/base/errors.hpp``) arrives in Python as the
 exception of the same meaning here. Every failed call leaves the allocator and the device as
 they were.
 """

@@ -54,7 +54,7 @@ typedef enum vmalloc_status {
 /* An opaque counted reference to a vmalloc allocator. */
 typedef struct vmalloc_allocator vmalloc_allocator;
 
-/* The fields of vmalloc.Stats (include/vmalloc/stats.hpp), in bytes and counts. */
+/* The fields of vmalloc.Stats (include/vmalloc/base/stats.hpp), in bytes and counts. */
 typedef struct vmalloc_stats {
   uint64_t requested_bytes;
   uint64_t peak_requested_bytes;

@@ -3,7 +3,7 @@
 
 #include <vector>
 
-#include "vmalloc/detail/cuda_driver.hpp"
+#include "vmalloc/device/detail/cuda_driver.hpp"
 
 namespace vmalloc::emulator {
 

@@ -6,7 +6,7 @@
 #include <cstring>
 
 #include "emulator.hpp"
-#include "vmalloc/errors.hpp"
+#include "vmalloc/base/errors.hpp"
 
 #define VMALLOC_EMULATOR_EXPORT extern "C" __attribute__((visibility("default")))
 

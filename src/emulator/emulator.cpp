@@ -6,7 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "vmalloc/errors.hpp"
+#include "vmalloc/base/errors.hpp"
 
 namespace vmalloc::emulator {
 

@@ -21,8 +21,8 @@
 #include "entry_point.hpp"
 #include "contexts.hpp"
 #include "faults.hpp"
-#include "vmalloc/detail/cuda_driver.hpp"
-#include "vmalloc/host_device.hpp"
+#include "vmalloc/device/detail/cuda_driver.hpp"
+#include "vmalloc/device/host_device.hpp"
 
 namespace vmalloc::emulator {
 

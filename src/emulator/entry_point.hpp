@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <string>
 
-#include "vmalloc/detail/cuda_driver.hpp"
+#include "vmalloc/device/detail/cuda_driver.hpp"
 
 namespace vmalloc::emulator {
 

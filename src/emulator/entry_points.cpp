@@ -12,7 +12,7 @@
 
 #include "contexts.hpp"
 #include "emulator.hpp"
-#include "vmalloc/errors.hpp"
+#include "vmalloc/base/errors.hpp"
 
 #define VMALLOC_EMULATOR_EXPORT extern "C" __attribute__((visibility("default")))
 

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "entry_point.hpp"
-#include "vmalloc/detail/cuda_driver.hpp"
+#include "vmalloc/device/detail/cuda_driver.hpp"
 
 namespace vmalloc::emulator {
 

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "vmalloc/detail/format.hpp"
+#include "vmalloc/base/detail/format.hpp"
 
 namespace vmalloc {
 

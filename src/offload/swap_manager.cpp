@@ -4,10 +4,10 @@
 #include <chrono>
 #include <exception>
 
-#include "vmalloc/detail/format.hpp"
-#include "vmalloc/errors.hpp"
-#include "vmalloc/host_device.hpp"
-#include "vmalloc/virtual_allocator.hpp"
+#include "vmalloc/base/detail/format.hpp"
+#include "vmalloc/base/errors.hpp"
+#include "vmalloc/device/host_device.hpp"
+#include "vmalloc/alloc/virtual_allocator.hpp"
 
 namespace vmalloc {
 

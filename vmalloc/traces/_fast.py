@@ -1,5 +1,5 @@
 """The fast path of the text readers (RMM CSV, Kineto JSON): parsing and normalization in C++
-(``src/trace_parse.cpp`` through ``vmalloc._trace_parse``), with the Python readers as the
+(``src/trace/trace_parse.cpp`` through ``vmalloc._trace_parse``), with the Python readers as the
 reference.
 
 The file is read in blocks of :data:`BLOCK` bytes (through :func:`~vmalloc.traces._files.

@@ -16,8 +16,8 @@
 #include <string>
 #include <unordered_map>
 
-#include "vmalloc/device.hpp"
-#include "vmalloc/errors.hpp"
+#include "vmalloc/device/device.hpp"
+#include "vmalloc/base/errors.hpp"
 
 namespace vmalloc {
 

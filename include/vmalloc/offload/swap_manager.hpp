@@ -24,7 +24,7 @@
 #include <utility>
 #include <vector>
 
-#include "vmalloc/allocator.hpp"
+#include "vmalloc/alloc/allocator.hpp"
 #include "vmalloc/offload/host_staging_pool.hpp"
 
 namespace vmalloc {

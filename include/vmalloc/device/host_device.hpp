@@ -1,0 +1,176 @@
+// HostDevice: a GPU emulated on host memory, enforcing the CUDA driver's virtual memory rules.
+//
+// Physical allocations are regions of one memfd; reservations are PROT_NONE address ranges;
+// a mapping is the memfd region mmap'ed (MAP_SHARED) into a reservation, inaccessible until
+// set_access. So remapping is real (the same bytes appear at the new address) and touching
+// memory before set_access is refused. Every rule of ../shared/reference/cuda-vmm.md marked
+// "(enforce)" is checked; a violation throws DeviceError naming the rule, the entry point and
+// the CUresult code, and changes nothing. An unbacked HostDevice keeps the same books without
+// any memory, so traces far larger than the machine replay on it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+
+#include "vmalloc/device/device.hpp"
+#include "vmalloc/base/errors.hpp"
+
+namespace vmalloc {
+
+namespace detail {
+class MemfdArena;
+class StreamSet;
+}  // namespace detail
+
+struct HostDeviceOptions {
+  std::size_t capacity = 0;                      // physical bytes; 0 = unlimited
+  std::size_t granularity = std::size_t{2} << 20;  // a power-of-two multiple of the page size
+  bool backed = true;                            // false: accounting only, no memory
+  int ordinal = 0;                               // the "N" of "host:N"
+};
+
+// A consistent snapshot of the device's books, for tests ("a rejected call changed nothing")
+// and for the state line of OutOfMemory.
+struct HostDeviceState {
+  std::size_t physical_allocations = 0;   // created and not yet freed
+  std::size_t released_still_mapped = 0;  // released, freed when their last mapping goes
+  std::size_t reservations = 0;
+  std::size_t mappings = 0;
+  std::size_t bytes_created = 0;          // == physical_bytes_in_use()
+  std::size_t bytes_reserved = 0;
+  std::size_t bytes_mapped = 0;
+  std::size_t bytes_accessible = 0;       // mapped bytes with read-write access set
+  std::size_t host_allocations = 0;       // pinned host memory (host_alloc)
+  std::size_t host_bytes = 0;
+  std::size_t streams = 0;                // created streams, the default stream not counted
+  std::size_t events = 0;
+  std::size_t vmas = 0;                   // upper bound of kernel VMAs held (backed only)
+
+  bool operator==(const HostDeviceState& o) const noexcept;
+  bool operator!=(const HostDeviceState& o) const noexcept { return !(*this == o); }
+  // "host:0: 3 allocations (6.00MiB of 16.00MiB capacity), 1 reservation (8.00MiB), ..."
+  std::string summary() const;
+};
+
+class HostDevice : public Device {
+ public:
+  // Throws InvalidArgument for a granularity that is not a power-of-two multiple of the host
+  // page size, or a negative ordinal.
+  explicit HostDevice(const HostDeviceOptions& options = {});
+  ~HostDevice() override;
+
+  std::string name() const override;
+  int ordinal() const override { return ordinal_; }
+  std::size_t granularity() const override { return granularity_; }
+  std::size_t capacity() const override { return capacity_; }
+  std::size_t physical_bytes_in_use() const override;
+  bool backed() const override { return backed_; }
+
+  physical_handle create(std::size_t size) override;
+  void release(physical_handle handle) override;
+  device_ptr reserve(std::size_t size, std::size_t alignment) override;
+  void free_address(device_ptr ptr, std::size_t size) override;
+  void map(device_ptr ptr, std::size_t size, physical_handle handle) override;
+  void unmap(device_ptr ptr, std::size_t size) override;
+  void set_access(device_ptr ptr, std::size_t size) override;
+
+  void* host_alloc(std::size_t size) override;
+  void host_free(void* ptr) override;
+
+  stream_t create_stream() override;  // blocking: ordered with the default stream
+  // `non_blocking`: like CU_STREAM_NON_BLOCKING, no implicit ordering with stream 0.
+  stream_t create_stream(bool non_blocking);
+  void destroy_stream(stream_t stream) override;
+  void check_stream_alive(stream_t stream, const char* caller) const override;
+  event_t create_event() override;
+  void destroy_event(event_t event) override;
+  void record_event(event_t event, stream_t stream) override;
+  bool query_event(event_t event) override;
+  void synchronize_event(event_t event) override;
+  void wait_event(stream_t stream, event_t event) override;
+  void synchronize_stream(stream_t stream) override;
+  void synchronize() override;
+
+  void copy_to_device(device_ptr dst, const void* src, std::size_t nbytes,
+                      stream_t stream) override;
+  void copy_to_host(void* dst, device_ptr src, std::size_t nbytes, stream_t stream) override;
+  void copy_device(device_ptr dst, device_ptr src, std::size_t nbytes, stream_t stream) override;
+
+  // cuLaunchHostFunc: runs `fn` on the stream's worker, in order with the stream's work.
+  // An exception from `fn` becomes the fault reported by the next synchronization.
+  // Not counted (no DriverCall): it moves no memory.
+  void launch_host_func(stream_t stream, std::function<void()> fn);
+  // A testing aid: blocks `stream` (like a kernel that runs until told to stop) so queued
+  // work can be observed before it runs. Returns an id for release_hold. Destroying the
+  // device releases every hold.
+  std::uint64_t hold_stream(stream_t stream);
+  void release_hold(std::uint64_t hold);
+
+  HostDeviceState state() const;
+  // Kernel VMAs this device may create before it refuses (vm.max_map_count minus headroom,
+  // shared by every HostDevice of the process). Settable for tests of the refusal.
+  static std::size_t vma_limit() noexcept;
+  static void set_vma_limit(std::size_t limit) noexcept;
+  // Kernel VMAs held now by all HostDevices of the process (an upper bound).
+  static std::size_t process_vmas() noexcept;
+
+ private:
+  struct Physical;
+  struct Reservation;
+  struct Mapping;
+  struct HostBlock;
+
+  // Bookkeeping helpers; the caller holds mutex_.
+  [[noreturn]] void fail(DriverCall call, const std::string& rule, int code) const;
+  Reservation* reservation_containing(device_ptr ptr, std::size_t size);
+  // The mappings exactly covering [ptr, ptr+size) contiguously inside one reservation, or
+  // an empty result with `why` set.
+  bool covering_mappings(device_ptr ptr, std::size_t size, bool whole_only,
+                         std::map<device_ptr, Mapping>::iterator* first, std::string* why);
+  // "" if every byte of [ptr, ptr+n) is mapped with access set, else the reason.
+  std::string check_accessible(device_ptr ptr, std::size_t n) const;
+  void free_physical(std::map<physical_handle, Physical>::iterator it) noexcept;
+  void reserve_vmas(std::size_t more, DriverCall call);
+  void return_vmas(std::size_t fewer) noexcept;
+  HostDeviceState state_locked() const;
+  std::string state_line_locked() const;
+
+  // Copies, executed in order on a stream. They validate the device range under the lock
+  // (shared, so copies run in parallel with each other but never with a change of the map).
+  struct CopyJob;
+  void enqueue_copy(const CopyJob& job, stream_t stream, bool wait);
+  void execute_copy(const CopyJob& job);
+  bool host_range_pinned(std::uintptr_t ptr, std::size_t n) const;
+
+  const std::size_t capacity_;
+  const std::size_t granularity_;
+  const std::size_t page_size_;
+  const bool backed_;
+  const int ordinal_;
+
+  mutable std::shared_mutex mutex_;  // the books below and the address map they describe
+  std::unique_ptr<detail::MemfdArena> arena_;
+  std::map<physical_handle, Physical> physical_;
+  std::map<device_ptr, Reservation> reservations_;  // by base address
+  std::map<device_ptr, Mapping> mappings_;          // by address
+  std::map<std::uintptr_t, HostBlock> host_blocks_;  // by base address
+  physical_handle next_handle_ = 1;
+  device_ptr next_fake_address_;  // unbacked reservations
+  std::size_t bytes_created_ = 0;
+  std::size_t released_still_mapped_ = 0;
+  std::size_t bytes_reserved_ = 0;
+  std::size_t bytes_mapped_ = 0;
+  std::size_t bytes_accessible_ = 0;
+  std::size_t host_bytes_ = 0;
+  std::size_t vmas_ = 0;
+
+  std::unique_ptr<detail::StreamSet> streams_;
+};
+
+}  // namespace vmalloc
