@@ -98,73 +98,64 @@ _V100_SOURCES = (
     "336/492/581 img/s at batch 64/128/190 (vmalloc.offload.gpus.calibrate)",
 )
 
-GPUS: Dict[str, GPU] = {
-    "v100-16gb": GPU(
-        name="v100-16gb",
-        memory_bytes=16 * 2**30,
-        peak_flops=125e12,
-        compute_efficiency=V100_EFFICIENCY,
-        hbm_bandwidth=900 * GB,
-        h2d_bandwidth=45.9 * GB,
-        d2h_bandwidth=45.9 * GB,
-        bidirectional_bandwidth=45.9 * GB,   # NVLink: each direction has its own lanes
-        function_overhead_seconds=V100_OVERHEAD,
-        link="NVLink 2 to POWER9 (2 bricks)",
-        precision="mixed (tensor cores)",
-        sources=_V100_SOURCES,
+_V100 = GPU(
+    name="v100-16gb",
+    memory_bytes=16 * 2**30,
+    peak_flops=125e12,
+    compute_efficiency=V100_EFFICIENCY,
+    hbm_bandwidth=900 * GB,
+    h2d_bandwidth=45.9 * GB,
+    d2h_bandwidth=45.9 * GB,
+    bidirectional_bandwidth=45.9 * GB,   # NVLink: each direction has its own lanes
+    function_overhead_seconds=V100_OVERHEAD,
+    link="NVLink 2 to POWER9 (2 bricks)",
+    precision="mixed (tensor cores)",
+    sources=_V100_SOURCES,
+)
+_A100_40 = GPU(
+    name="a100-40gb",
+    memory_bytes=40 * 2**30,
+    peak_flops=312e12,
+    compute_efficiency=V100_EFFICIENCY,
+    hbm_bandwidth=1555 * GB,
+    h2d_bandwidth=25 * GB,
+    d2h_bandwidth=25 * GB,
+    bidirectional_bandwidth=25 * GB * 52.8 / 55.2,
+    function_overhead_seconds=V100_OVERHEAD,
+    link="PCIe 4 x16",
+    precision="mixed (tensor cores)",
+    sources=(
+        "peak 312 TFLOP/s BF16/FP16 tensor, HBM2 1555 GB/s: NVIDIA A100 datasheet",
+        "PCIe 4 x16 ~25 GB/s: nvbandwidth issue 42 (offload.md)",
+        "both directions at once: the H800's ratio 52.8/55.2 applied (numbers.md); "
+        "no A100 figure found",
+        "efficiency and overhead: the V100's (assumption)",
     ),
+)
+
+GPUS: Dict[str, GPU] = {
+    "v100-16gb": _V100,
     # The same V100 in a 4-GPU POWER9 node: 2 GPUs per CPU, 3 NVLink bricks each. The link is
     # the one measurement that differs; with it the simulated window+virtual speed at batch
     # 1440 lands on the paper's Table 1 figure (docs/benchmarks.md), which suggests the paper's
     # machine was of this kind.
-    "v100-16gb-3brick": GPU(
+    "v100-16gb-3brick": replace(
+        _V100,
         name="v100-16gb-3brick",
-        memory_bytes=16 * 2**30,
-        peak_flops=125e12,
-        compute_efficiency=V100_EFFICIENCY,
-        hbm_bandwidth=900 * GB,
         h2d_bandwidth=68 * GB,
         d2h_bandwidth=68 * GB,
         bidirectional_bandwidth=68 * GB,
-        function_overhead_seconds=V100_OVERHEAD,
         link="NVLink 2 to POWER9 (3 bricks)",
-        precision="mixed (tensor cores)",
         sources=_V100_SOURCES[:2] + (
             "link 68 GB/s per direction: POWER9 NVLink 2 measured with 2 GPUs per CPU (3 "
             "bricks) (offload.md, NextPlatform chart)",) + _V100_SOURCES[3:],
     ),
-    "a100-40gb": GPU(
-        name="a100-40gb",
-        memory_bytes=40 * 2**30,
-        peak_flops=312e12,
-        compute_efficiency=V100_EFFICIENCY,
-        hbm_bandwidth=1555 * GB,
-        h2d_bandwidth=25 * GB,
-        d2h_bandwidth=25 * GB,
-        bidirectional_bandwidth=25 * GB * 52.8 / 55.2,
-        function_overhead_seconds=V100_OVERHEAD,
-        link="PCIe 4 x16",
-        precision="mixed (tensor cores)",
-        sources=(
-            "peak 312 TFLOP/s BF16/FP16 tensor, HBM2 1555 GB/s: NVIDIA A100 datasheet",
-            "PCIe 4 x16 ~25 GB/s: nvbandwidth issue 42 (offload.md)",
-            "both directions at once: the H800's ratio 52.8/55.2 applied (numbers.md); "
-            "no A100 figure found",
-            "efficiency and overhead: the V100's (assumption)",
-        ),
-    ),
-    "a100-80gb": GPU(
+    "a100-40gb": _A100_40,
+    "a100-80gb": replace(  # HBM2e; otherwise the 40 GB one
+        _A100_40,
         name="a100-80gb",
         memory_bytes=80 * 2**30,
-        peak_flops=312e12,
-        compute_efficiency=V100_EFFICIENCY,
         hbm_bandwidth=2039 * GB,
-        h2d_bandwidth=25 * GB,
-        d2h_bandwidth=25 * GB,
-        bidirectional_bandwidth=25 * GB * 52.8 / 55.2,
-        function_overhead_seconds=V100_OVERHEAD,
-        link="PCIe 4 x16",
-        precision="mixed (tensor cores)",
         sources=(
             "peak 312 TFLOP/s BF16/FP16 tensor, HBM2e 2039 GB/s: NVIDIA A100 datasheet",
             "PCIe 4 x16 ~25 GB/s: nvbandwidth issue 42 (offload.md)",
