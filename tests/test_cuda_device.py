@@ -5,7 +5,6 @@ driver's C interface), name the driver call and CUresult of every failure, keep 
 context current around its calls from any thread, and leave nothing behind.
 """
 
-import ctypes
 import os
 import subprocess
 import sys
@@ -140,46 +139,6 @@ def test_a_failure_during_construction_releases_the_context(emu):
 
 # --- the driver calls -----------------------------------------------------------------------
 
-def test_write_read_remap_and_release_while_mapped(dev):
-    ptr, handle = mapped(dev)
-    dev.write(ptr + 10, b"through the driver")
-    assert dev.read(ptr + 10, 18) == b"through the driver"
-    # Remap the same allocation elsewhere: the bytes move with it, access must be set again.
-    dev.unmap(ptr, G)
-    other = dev.reserve(G)
-    dev.map(other, G, handle)
-    with pytest.raises(DeviceError) as info:
-        dev.read(other, 4)
-    assert (info.value.call, info.value.code) == ("cuMemcpyDtoHAsync", ILLEGAL_ADDRESS)
-    dev.set_access(other, G)
-    assert dev.read(other + 10, 18) == b"through the driver"
-    # Released while mapped: still readable, counted until unmapped.
-    dev.release(handle)
-    assert dev.physical_bytes_in_use == G
-    assert dev.read(other + 10, 7) == b"through"
-    dev.unmap(other, G)
-    assert dev.physical_bytes_in_use == 0
-    dev.free_address(other, G)
-    dev.free_address(ptr, 2 * G)
-
-
-def test_counters_count_every_call_failed_ones_too(dev):
-    dev.reset_counters()
-    ptr, handle = mapped(dev)
-    with pytest.raises(DeviceError):
-        dev.map(ptr, G, handle)  # already mapped
-    dev.write(ptr, b"abc")
-    free_mapped(dev, ptr, handle)
-    counters = dev.counters()
-    expected = {"create": 1, "reserve": 1, "map": 2, "set_access": 1, "unmap": 1,
-                "release": 1, "free_address": 1, "copy_to_device": 1, "stream_synchronize": 1}
-    for name, value in expected.items():
-        assert counters[name] == value, name
-    assert counters["memory_management_calls"] == 8
-    assert counters["bytes_to_device"] == 3
-    model = dev.cost_model()
-    assert counters["modeled_seconds"] == pytest.approx(
-        sum(model[name] * value for name, value in expected.items()))
 
 
 def test_errors_name_the_call_the_code_and_the_rule(dev):
@@ -232,35 +191,6 @@ def test_what_the_driver_leaves_undefined_is_refused_before_calling_it(dev, emu)
     calls["cuMemRelease"] += 1  # the one real release
     assert calls == {name: emu.call_count(name) for name in calls}
 
-
-def test_streams_events_and_copies(dev):
-    ptr, handle = mapped(dev, 4 * G)
-    s1, s2 = dev.create_stream(), dev.create_stream()
-    assert isinstance(s1, int) and s1 != s2 and s1 != 0
-    event = dev.create_event()
-    assert dev.query_event(event)  # never recorded
-    host = dev.host_alloc(4 * MiB)
-    ctypes.memmove(host, b"x" * 64, 64)
-    # Order on s1, then make s2 wait for it: the DtoD copy on s2 sees s1's data.
-    dev.copy_to_device(ptr, host, 4 * MiB, s1)
-    dev.record_event(event, s1)
-    dev.wait_event(s2, event)
-    dev.copy_device(ptr + 4 * MiB, ptr, 64, s2)
-    dev.synchronize_stream(s2)
-    dev.synchronize_event(event)
-    assert dev.query_event(event)
-    assert dev.read(ptr + 4 * MiB, 64) == b"x" * 64
-    out = ctypes.create_string_buffer(64)
-    dev.copy_to_host(ctypes.addressof(out), ptr + 4 * MiB, 64, s1)
-    dev.synchronize()
-    assert out.raw == b"x" * 64
-    dev.host_free(host)
-    dev.destroy_event(event)
-    dev.destroy_stream(s1)
-    dev.destroy_stream(s2)
-    dev.unmap(ptr, 4 * G)
-    dev.release(handle)
-    dev.free_address(ptr, 8 * G)
 
 
 class FakeCupyStream:
@@ -361,44 +291,8 @@ def test_explicit_busy_ordinal_cannot_change_size(dev):
     del same
 
 
-# --- the same behaviour as HostDevice -------------------------------------------------------
-
-def test_same_refusals_as_host_device(dev):
-    host = vmalloc.HostDevice(capacity="64MiB")
-    results = []
-    for device in (host, dev):
-        handle, big = device.create(G), device.create(2 * G)
-        ptr = device.reserve(4 * G)
-        device.map(ptr, G, handle)
-        attempts = [
-            lambda: device.create(G + 4096),
-            lambda: device.reserve(G, alignment=3 * MiB),
-            lambda: device.map(ptr, G, handle),
-            lambda: device.map(ptr + 3 * G, 2 * G, big),
-            lambda: device.unmap(ptr + 4096, G),
-            lambda: device.set_access(ptr, 2 * G),
-            lambda: device.free_address(ptr, 4 * G),
-            lambda: device.read(ptr, 1),
-            lambda: device.create(128 * MiB),
-        ]
-        codes = []
-        for attempt in attempts:
-            try:
-                attempt()
-                codes.append(None)
-            except DeviceError as e:
-                codes.append((e.call, e.code))
-            except OutOfMemoryError:
-                codes.append("oom")
-        results.append(codes)
-        device.unmap(ptr, G)
-        device.release(handle)
-        device.release(big)
-        device.free_address(ptr, 4 * G)
-    assert results[0] == results[1]
-    assert results[0][0] == ("cuMemCreate", INVALID_VALUE)
-    assert results[0][-2] == ("cuMemcpyDtoHAsync", ILLEGAL_ADDRESS)
-    assert results[0][-1] == "oom"
+# The behaviour every device shares (data, rules, capacity, streams, counters) is checked over
+# HostDevice and this device alike in test_device_protocol.py.
 
 
 # --- property: CudaDevice on the emulator and HostDevice answer every sequence alike --------

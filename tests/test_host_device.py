@@ -84,35 +84,6 @@ def test_bad_ordinal():
 
 # --- real remapping -----------------------------------------------------------------------
 
-def test_remap_same_handle_at_another_address_keeps_bytes():
-    dev = HostDevice()
-    h = dev.create(2 * G)
-    a = dev.reserve(2 * G)
-    b = dev.reserve(4 * G)
-    dev.map(a, 2 * G, h)
-    dev.set_access(a, 2 * G)
-    payload = bytes(range(256)) * 16
-    dev.write(a + G + 123, payload)
-    dev.unmap(a, 2 * G)
-    dev.map(b + 2 * G, 2 * G, h)
-    dev.set_access(b + 2 * G, 2 * G)
-    assert dev.read(b + 2 * G + G + 123, len(payload)) == payload
-    # The old address is a plain reservation again.
-    err = assert_refused(dev, lambda: dev.read(a, 1), "cuMemcpyDtoHAsync", ILLEGAL_ADDRESS,
-                         counted="copy_to_host")
-    assert hex(a) in str(err)
-
-
-def test_two_mappings_of_one_handle_share_bytes():
-    dev = HostDevice()
-    h = dev.create(G)
-    a = dev.reserve(G)
-    b = dev.reserve(G)
-    for p in (a, b):
-        dev.map(p, G, h)
-        dev.set_access(p, G)
-    dev.write(a + 10, b"shared")
-    assert dev.read(b + 10, 6) == b"shared"
 
 
 def test_access_before_set_access_is_illegal_address():
