@@ -20,19 +20,6 @@ from vmalloc import testing
 
 MiB = 1 << 20
 
-#: The driver calls a Device makes for the allocators (contexts are covered separately).
-FAULTABLE = [
-    "cuMemCreate", "cuMemRelease", "cuMemAddressReserve", "cuMemAddressFree", "cuMemMap",
-    "cuMemUnmap", "cuMemSetAccess", "cuMemHostAlloc", "cuMemFreeHost", "cuStreamCreate",
-    "cuStreamDestroy", "cuEventCreate", "cuEventDestroy", "cuEventRecord", "cuEventQuery",
-    "cuEventSynchronize", "cuStreamWaitEvent", "cuStreamSynchronize", "cuCtxSynchronize",
-    "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync", "cuMemcpyDtoDAsync",
-]
-
-#: What a failure of each call looks like on a GPU.
-FAULT_CODE = {"cuMemCreate": "CUDA_ERROR_OUT_OF_MEMORY", "cuMemHostAlloc": "CUDA_ERROR_OUT_OF_MEMORY",
-              "cuMemAddressReserve": "CUDA_ERROR_OUT_OF_MEMORY"}
-DEFAULT_CODE = "CUDA_ERROR_UNKNOWN"
 
 #: Caller-visible accounting a failed allocate or deallocate must not change.
 UNCHANGED = ("requested_bytes", "allocated_bytes", "live_allocations", "total_allocations",
@@ -126,7 +113,7 @@ SCENARIOS = {
 
 
 def _calls(emu):
-    return {name: emu.call_count(name) for name in FAULTABLE}
+    return {name: emu.call_count(name) for name in testing.FAULTABLE_CALLS}
 
 
 def _held(emu, ordinal):
@@ -188,7 +175,7 @@ def test_every_driver_call_failing_once(make_allocator, emu, scenario):
     result = operation(world, context)
     after = _calls(emu)
     _teardown(world, emu)
-    sites = [(name, k) for name in FAULTABLE for k in range(1, after[name] - before[name] + 1)]
+    sites = [(name, k) for name in testing.FAULTABLE_CALLS for k in range(1, after[name] - before[name] + 1)]
     if not sites:
         pytest.skip(f"{scenario} makes no driver call with this allocator")
 
@@ -198,7 +185,7 @@ def test_every_driver_call_failing_once(make_allocator, emu, scenario):
         context = warm_up(world)
         accounting = _accounting(world.allocator)
         live = dict(world.live)
-        code = FAULT_CODE.get(name, DEFAULT_CODE)
+        code = testing.failure_code(name)
         emu.set_fault(name, k, code)
         where = f"{scenario}: call {k} of {name} failing with {code}"
         try:
@@ -284,8 +271,8 @@ def test_a_failing_rollback_leaks_nothing(make_allocator, emu, scenario, fault):
     context = warm_up(world)
     accounting = _accounting(world.allocator)
     live = dict(world.live)
-    emu.set_fault(name, k, DEFAULT_CODE)
-    emu.set_fault(rollback, 1, DEFAULT_CODE)
+    emu.set_fault(name, k, "CUDA_ERROR_UNKNOWN")
+    emu.set_fault(rollback, 1, "CUDA_ERROR_UNKNOWN")
     try:
         operation(world, context)
         raised = False

@@ -18,16 +18,6 @@ from vmalloc import offload, testing
 
 MiB = 1 << 20
 
-FAULTABLE = [
-    "cuMemCreate", "cuMemRelease", "cuMemAddressReserve", "cuMemAddressFree", "cuMemMap",
-    "cuMemUnmap", "cuMemSetAccess", "cuMemHostAlloc", "cuMemFreeHost", "cuStreamCreate",
-    "cuStreamDestroy", "cuEventCreate", "cuEventDestroy", "cuEventRecord", "cuEventQuery",
-    "cuEventSynchronize", "cuStreamWaitEvent", "cuStreamSynchronize", "cuCtxSynchronize",
-    "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync", "cuMemcpyDtoDAsync",
-]
-FAULT_CODE = {"cuMemCreate": "CUDA_ERROR_OUT_OF_MEMORY", "cuMemHostAlloc": "CUDA_ERROR_OUT_OF_MEMORY",
-              "cuMemAddressReserve": "CUDA_ERROR_OUT_OF_MEMORY"}
-DEFAULT_CODE = "CUDA_ERROR_UNKNOWN"
 
 ALLOCATORS = {
     "virtual": lambda d: vmalloc.VirtualAllocator(d),
@@ -123,7 +113,7 @@ def emu():
 
 
 def _calls(emu):
-    return {name: emu.call_count(name) for name in FAULTABLE}
+    return {name: emu.call_count(name) for name in testing.FAULTABLE_CALLS}
 
 
 @pytest.mark.parametrize("size", [5 * MiB, 1000], ids=["chunks", "small"])
@@ -138,14 +128,14 @@ def test_every_driver_call_of_a_swap_failing_once(emu, scenario, kind, size):
     after = _calls(emu)
     world.recover()
     world.teardown(emu)
-    sites = [(name, k) for name in FAULTABLE for k in range(1, after[name] - before[name] + 1)]
+    sites = [(name, k) for name in testing.FAULTABLE_CALLS for k in range(1, after[name] - before[name] + 1)]
     assert sites
 
     failures = []
     for name, k in sites:
         world = World(kind, size)
         warm_up(world)
-        code = FAULT_CODE.get(name, DEFAULT_CODE)
+        code = testing.failure_code(name)
         where = f"{scenario}, {kind}, {size} bytes: call {k} of {name} failing with {code}"
         emu.set_fault(name, k, code)
         try:

@@ -23,13 +23,16 @@ from vmalloc.testing._emulator import (
     emulated_driver_path,
     emulator,
 )
+from vmalloc.testing._faults import FAULTABLE_CALLS, failure_code
 
 __all__ = [
+    "FAULTABLE_CALLS",
     "RESOURCE_FIELDS",
     "DriverEmulator",
     "emulated_cuda_device",
     "emulated_driver_path",
     "emulator",
+    "failure_code",
 ]
 
 
