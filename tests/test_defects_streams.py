@@ -3,11 +3,12 @@
 * A stream destroyed by its owner is never used again by an allocator (its handle is
   undefined on a GPU); the emulator refuses such a use and lists it in its leak report.
 * CU_STREAM_PER_THREAD (0x2) is a different stream on each host thread, in the emulator and in
-  the allocators' stream ordering.
+  the allocators' stream ordering (the virtual allocators' and the caching allocator's pools).
 """
 
 import ctypes
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -118,4 +119,78 @@ def test_per_thread_stream_is_one_stream_per_thread_in_allocators(placement):
     stats = va.packed_stats() if placement == "packed" else va.chunk_stats()
     assert stats["multi_stream"], "two threads' CU_STREAM_PER_THREAD were taken as one stream"
     del va
+    dev.synchronize()
+
+
+def _hold_my_per_thread_stream(emu, dev):
+    """Holds the calling thread's CU_STREAM_PER_THREAD (work still running on it)."""
+    emu.lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
+    emu.lib.cuCtxPopCurrent_v2.argtypes = [ctypes.c_void_p]
+    assert emu.lib.cuCtxPushCurrent_v2(dev.context) == 0
+    try:
+        return emu.hold_stream(PER_THREAD)
+    finally:
+        emu.lib.cuCtxPopCurrent_v2(None)
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_caching_allocator_pools_per_thread_streams_apart(emu, expandable):
+    # PyTorch's pools are keyed by stream: a block freed on thread A's per-thread stream is
+    # A's, and thread B's per-thread stream (another stream with the same handle) never takes
+    # it while A's work may still use it.
+    dev = testing.emulated_cuda_device(capacity="64MiB")
+    ca = vmalloc.CachingAllocator(dev, expandable_segments=expandable)
+    with ThreadPoolExecutor(1) as thread_a:  # one thread throughout: one per-thread stream
+        p = thread_a.submit(ca.allocate, MiB, PER_THREAD).result()
+        token = thread_a.submit(_hold_my_per_thread_stream, emu, dev).result()
+        try:
+            thread_a.submit(ca.deallocate, p, MiB, PER_THREAD).result()
+            q = ca.allocate(MiB, PER_THREAD)  # this thread's per-thread stream
+            assert q != p, "thread B's CU_STREAM_PER_THREAD took thread A's freed block"
+            assert ca.segment_stats()["small_segments"] == 2
+            assert [s["stream"] for s in ca.snapshot()] == [PER_THREAD, PER_THREAD]
+            # On its own stream, thread A reuses the block at once.
+            assert thread_a.submit(ca.allocate, MiB, PER_THREAD).result() == p
+        finally:
+            emu.release_hold(token)
+    dev.synchronize()
+    del ca
+
+
+def test_caching_allocator_orders_a_free_on_another_threads_per_thread_stream(emu):
+    # Allocated on thread A's per-thread stream, freed on thread B's: B's work queued before
+    # the free must complete before A reuses the block.
+    dev = testing.emulated_cuda_device(capacity="64MiB")
+    ca = vmalloc.CachingAllocator(dev)
+    with ThreadPoolExecutor(1) as thread_a:
+        p = thread_a.submit(ca.allocate, MiB, PER_THREAD).result()
+        token = _hold_my_per_thread_stream(emu, dev)  # this thread is B
+        try:
+            ca.deallocate(p, MiB, PER_THREAD)
+            seg = ca.segment_stats()
+            assert (seg["waiting_blocks"], seg["waiting_bytes"]) == (1, MiB)
+            q = thread_a.submit(ca.allocate, MiB, PER_THREAD).result()
+            assert q == p + MiB, "the block freed on another stream was reused without waiting"
+        finally:
+            emu.release_hold(token)
+        dev.synchronize()
+        assert thread_a.submit(ca.allocate, MiB, PER_THREAD).result() == p
+        assert ca.segment_stats()["waiting_blocks"] == 0
+    del ca
+
+
+def test_caching_allocator_record_stream_of_another_threads_per_thread_stream(emu):
+    # record_stream(PER_THREAD) on thread B, free on thread A: A cannot name B's per-thread
+    # stream (0x2 on A is A's own), so the free waits for the whole device instead.
+    dev = testing.emulated_cuda_device(capacity="64MiB")
+    ca = vmalloc.CachingAllocator(dev)
+    with ThreadPoolExecutor(1) as thread_a:
+        p = thread_a.submit(ca.allocate, MiB, PER_THREAD).result()
+        ca.record_stream(p, PER_THREAD)
+        before = emu.call_count("cuCtxSynchronize")
+        thread_a.submit(ca.deallocate, p, MiB, PER_THREAD).result()
+        assert emu.call_count("cuCtxSynchronize") == before + 1
+        assert ca.segment_stats()["waiting_blocks"] == 0
+        assert thread_a.submit(ca.allocate, MiB, PER_THREAD).result() == p
+    del ca
     dev.synchronize()

@@ -6,6 +6,7 @@
 
 #include "vmalloc/base/detail/format.hpp"
 #include "vmalloc/base/errors.hpp"
+#include "vmalloc/chunks/detail/stream_order.hpp"
 
 namespace vmalloc {
 
@@ -34,6 +35,14 @@ std::string bytes(std::size_t n) {
 const std::shared_ptr<Device>& checked(const std::shared_ptr<Device>& device) {
   if (!device) throw InvalidArgument("CachingAllocator: device must not be null");
   return device;
+}
+
+// Whether `key` (a stream key, see detail::stream_key) is another thread's
+// CU_STREAM_PER_THREAD: the handle 0x2 names the calling thread's own, so that stream cannot
+// be named from here.
+bool other_threads_stream(stream_t key) noexcept {
+  return detail::stream_handle_of(key) == detail::cu_stream_per_thread &&
+         key != detail::stream_key(detail::cu_stream_per_thread);
 }
 
 }  // namespace
@@ -164,6 +173,8 @@ bool CachingAllocator::should_split(const Block& block, std::size_t rounded) con
 
 device_ptr CachingAllocator::allocate(std::size_t nbytes, stream_t stream) {
   device_->check_stream_alive(stream, "CachingAllocator.allocate");
+  // CU_STREAM_PER_THREAD: one stream per thread, so each thread's blocks are its own pool.
+  stream = detail::stream_key(stream);
   if (nbytes == 0) return 0;
   if (nbytes > max_request_bytes)
     throw InvalidArgument("CachingAllocator.allocate: nbytes " + std::to_string(nbytes) +
@@ -639,6 +650,7 @@ void CachingAllocator::return_to_pool(Block* block) {
 
 void CachingAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t stream) {
   device_->check_stream_alive(stream, "CachingAllocator.deallocate");
+  stream = detail::stream_key(stream);
   if (ptr == 0) return;
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = live_.find(ptr);
@@ -653,12 +665,20 @@ void CachingAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t s
   // Streams other than the allocation stream that used the block: the freeing stream and
   // those given to record_stream. Reuse waits for their work queued until now.
   std::vector<stream_t> streams;
+  bool unnameable = false;
   auto add = [&](stream_t s) {
-    if (s != block->stream && std::find(streams.begin(), streams.end(), s) == streams.end())
+    if (s == block->stream || std::find(streams.begin(), streams.end(), s) != streams.end())
+      return;
+    if (other_threads_stream(s))
+      unnameable = true;  // no event can be recorded on it from this thread
+    else
       streams.push_back(s);
   };
   add(stream);
   for (stream_t s : block->stream_uses) add(s);
+  // record_stream(CU_STREAM_PER_THREAD) on another thread: waiting for the whole device
+  // covers that stream's work queued before the free.
+  if (unnameable) device_->synchronize();  // throws with nothing changed
   if (!streams.empty()) pending_.record(block, streams);  // throws with nothing changed
 
   live_.erase(it);
@@ -671,6 +691,7 @@ void CachingAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t s
 }
 
 void CachingAllocator::record_stream(device_ptr ptr, stream_t stream) {
+  stream = detail::stream_key(stream);
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = live_.find(ptr);
   if (it == live_.end())
@@ -804,16 +825,18 @@ std::vector<CachingSegmentInfo> CachingAllocator::snapshot() const {
     auto state = b.allocated             ? CachingBlockInfo::State::allocated
                  : b.pending_events > 0 ? CachingBlockInfo::State::waiting
                                         : CachingBlockInfo::State::free;
-    return {b.ptr, b.size, b.requested, b.stream, state};
+    // Streams as the caller passed them: a thread's per-thread stream is 0x2.
+    return {b.ptr, b.size, b.requested, detail::stream_handle_of(b.stream), state};
   };
   for (const auto& [ptr, segment] : segments_) {
+    const stream_t segment_stream = detail::stream_handle_of(segment->stream);
     if (segment->expandable) {
       // Like PyTorch's snapshot: one segment per contiguous mapped range.
-      CachingSegmentInfo info{0, 0, segment->small, segment->stream, {}};
+      CachingSegmentInfo info{0, 0, segment->small, segment_stream, {}};
       for (const Block& b : segment->blocks) {
         if (!b.mapped) {
           if (!info.blocks.empty()) result.push_back(std::move(info));
-          info = CachingSegmentInfo{0, 0, segment->small, segment->stream, {}};
+          info = CachingSegmentInfo{0, 0, segment->small, segment_stream, {}};
           continue;
         }
         if (info.blocks.empty()) info.ptr = b.ptr;
@@ -823,7 +846,7 @@ std::vector<CachingSegmentInfo> CachingAllocator::snapshot() const {
       if (!info.blocks.empty()) result.push_back(std::move(info));
       continue;
     }
-    CachingSegmentInfo info{ptr, segment->size(), segment->small, segment->stream, {}};
+    CachingSegmentInfo info{ptr, segment->size(), segment->small, segment_stream, {}};
     for (const Block& b : segment->blocks) info.blocks.push_back(block_info(b));
     result.push_back(std::move(info));
   }

@@ -1,5 +1,7 @@
 #include "vmalloc/alloc/detail/pending_frees.hpp"
 
+#include "vmalloc/chunks/detail/stream_order.hpp"
+
 namespace vmalloc::detail {
 
 PendingFrees::~PendingFrees() {
@@ -31,7 +33,7 @@ event_t PendingFrees::acquire_event() {
 void PendingFrees::check_stream(stream_t stream) {
   event_t e = acquire_event();
   try {
-    device_.record_event(e, stream);
+    device_.record_event(e, stream_handle_of(stream));
   } catch (...) {
     idle_.push_back(e);
     throw;
@@ -45,7 +47,7 @@ void PendingFrees::record(CachingBlock* block, const std::vector<stream_t>& stre
   try {
     for (stream_t s : streams) {
       events.push_back(acquire_event());
-      device_.record_event(events.back(), s);
+      device_.record_event(events.back(), stream_handle_of(s));
     }
     // Make room first so that the pushes below cannot fail half way.
     for (stream_t s : streams) waiting_[s];

@@ -18,7 +18,7 @@
 #include <utility>
 #include <vector>
 
-#include "entry_point.hpp"
+#include "entry_point_table.hpp"
 #include "contexts.hpp"
 #include "faults.hpp"
 #include "vmalloc/device/detail/cuda_driver.hpp"

@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "entry_point.hpp"
+#include "entry_point_table.hpp"
 #include "vmalloc/device/detail/cuda_driver.hpp"
 
 namespace vmalloc::emulator {

@@ -1,7 +1,8 @@
 // CachingAllocator: the best-fit caching baseline, faithful to PyTorch's CUDACachingAllocator
 // (c10/cuda/CUDACachingAllocator.cpp). vmalloc compares the VirtualAllocator against it.
 //
-// Requests are rounded, served best-fit from cached blocks of the request's stream, and
+// Requests are rounded, served best-fit from cached blocks of the request's stream (each
+// thread's CU_STREAM_PER_THREAD is a stream of its own, as in the virtual allocators), and
 // otherwise from a new segment (one device allocation) that is split; freed blocks merge with
 // free neighbours of their segment and stay cached until release_cached(). Because a segment
 // can only be given back whole, a cache full of partly used segments is memory the device

@@ -1,7 +1,8 @@
 // Stream-ordered frees for the caching allocator: a block freed while other streams may still
 // use it gets one event per such stream, recorded at free time; it goes back to its pool once
 // every event has completed (PyTorch's insert_events / process_events). Events come from a
-// small pool, so a steady state creates none.
+// small pool, so a steady state creates none. Streams are stream keys (detail::stream_key):
+// a CU_STREAM_PER_THREAD key must be passed from its own thread.
 #pragma once
 
 #include <cstddef>

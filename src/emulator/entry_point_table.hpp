@@ -1,6 +1,6 @@
 // The entry points the driver emulator exports, as an enum for counting calls and injecting
 // faults. Generated from the same table CudaDevice resolves (detail/cuda_driver.hpp), so the
-// emulator exports exactly what CudaDevice uses.
+// emulator exports exactly what CudaDevice uses. The exported functions are in driver_api.cpp.
 #pragma once
 
 #include <array>

@@ -1,4 +1,6 @@
-#include "entry_point.hpp"
+// The names of the emulator's entry points (exported symbol and cuda.h name), for lookups by
+// name from fault specs and the control functions. The exported functions are in driver_api.cpp.
+#include "entry_point_table.hpp"
 
 #include <cstring>
 

@@ -1,0 +1,89 @@
+// HostDevice's books: the records behind its bookkeeping maps, shared by the files that
+// implement HostDevice one concern each (src/device/host_device*.cpp). Every member here is
+// read and written under HostDevice::mutex_.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <iterator>
+#include <map>
+#include <string>
+
+#include "vmalloc/base/detail/format.hpp"
+#include "vmalloc/device/host_device.hpp"
+
+namespace vmalloc {
+
+namespace detail {
+
+// "[0x1000, 0x3000)": a half-open address range for error messages.
+inline std::string address_range(std::uintptr_t ptr, std::size_t size) {
+  return "[" + hex(ptr) + ", " + hex(ptr + size) + ")";
+}
+
+inline bool is_pow2(std::size_t v) { return v != 0 && (v & (v - 1)) == 0; }
+
+}  // namespace detail
+
+struct HostDevice::Physical {
+  std::size_t size = 0;
+  std::uint64_t offset = 0;  // in the memfd (backed only)
+  std::size_t mappings = 0;
+  bool released = false;
+};
+
+struct HostDevice::Reservation {
+  std::size_t size = 0;
+};
+
+// A mapping and which of its bytes have access set: disjoint, merged [offset, end) intervals
+// (normally one covering the whole mapping).
+struct HostDevice::Mapping {
+  std::size_t size = 0;
+  physical_handle handle = 0;
+  std::map<std::size_t, std::size_t> access;
+
+  bool covers(std::size_t lo, std::size_t hi) const {
+    auto it = access.upper_bound(lo);
+    if (it == access.begin()) return false;
+    --it;
+    return it->first <= lo && it->second >= hi;
+  }
+  // The first offset in [lo, hi) without access, or hi.
+  std::size_t first_inaccessible(std::size_t lo, std::size_t hi) const {
+    auto it = access.upper_bound(lo);
+    if (it == access.begin()) return lo;
+    --it;
+    return it->second > lo ? std::min(it->second, hi) : lo;
+  }
+  void add(std::size_t lo, std::size_t hi) {
+    auto it = access.upper_bound(lo);
+    if (it != access.begin() && std::prev(it)->second >= lo) --it;
+    while (it != access.end() && it->first <= hi) {
+      lo = std::min(lo, it->first);
+      hi = std::max(hi, it->second);
+      it = access.erase(it);
+    }
+    access.emplace(lo, hi);
+  }
+  std::size_t accessible_bytes() const {
+    std::size_t n = 0;
+    for (const auto& [lo, hi] : access) n += hi - lo;
+    return n;
+  }
+  // Runs of equal protection: the kernel VMAs this mapping is split into (at most).
+  std::size_t pieces() const {
+    if (access.empty()) return 1;
+    return 2 * access.size() - 1 + (access.begin()->first > 0 ? 1 : 0) +
+           (access.rbegin()->second < size ? 1 : 0);
+  }
+  // Upper bound of the VMAs the mapping adds: its pieces, plus the split of the reservation.
+  std::size_t vmas() const { return 1 + pieces(); }
+};
+
+struct HostDevice::HostBlock {
+  std::size_t size = 0;  // page-rounded
+};
+
+}  // namespace vmalloc
