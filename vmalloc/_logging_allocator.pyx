@@ -12,10 +12,10 @@ from vmalloc._allocator cimport Allocator, CAllocator
 from vmalloc._device cimport vmalloc_raise_py_error
 
 
-cdef extern from "vmalloc/trace/logging_adaptor.hpp" namespace "vmalloc" nogil:
-    cdef cppclass CLoggingAdaptor "vmalloc::LoggingAdaptor"(CAllocator):
-        CLoggingAdaptor(shared_ptr[CAllocator] upstream,
-                        const string& path) except +vmalloc_raise_py_error
+cdef extern from "vmalloc/trace/logging_allocator.hpp" namespace "vmalloc" nogil:
+    cdef cppclass CLoggingAllocator "vmalloc::LoggingAllocator"(CAllocator):
+        CLoggingAllocator(shared_ptr[CAllocator] upstream,
+                          const string& path) except +vmalloc_raise_py_error
         void flush() except +vmalloc_raise_py_error
         void close() except +vmalloc_raise_py_error
         bool closed()
@@ -42,7 +42,7 @@ cdef class LoggingAllocator(Allocator):
         trace = vmalloc.traces.open_trace("job.vmtrace")
     """
 
-    cdef CLoggingAdaptor* logging
+    cdef CLoggingAllocator* logging
     cdef readonly Allocator upstream
     cdef readonly str path
 
@@ -54,11 +54,11 @@ cdef class LoggingAllocator(Allocator):
         if not allocator.c_allocator:
             raise ValueError("the allocator to wrap is not initialized")
         cdef shared_ptr[CAllocator] upstream = allocator.c_allocator
-        cdef shared_ptr[CLoggingAdaptor] adaptor
+        cdef shared_ptr[CLoggingAllocator] adaptor
         with nogil:
-            adaptor = shared_ptr[CLoggingAdaptor](new CLoggingAdaptor(upstream, c_path))
+            adaptor = shared_ptr[CLoggingAllocator](new CLoggingAllocator(upstream, c_path))
         self.logging = adaptor.get()
-        self.c_allocator = static_pointer_cast[CAllocator, CLoggingAdaptor](adaptor)
+        self.c_allocator = static_pointer_cast[CAllocator, CLoggingAllocator](adaptor)
         self.device = allocator.device
         self.upstream = allocator
         self.path = os.fsdecode(path)
@@ -67,7 +67,7 @@ cdef class LoggingAllocator(Allocator):
         """Writes buffered records to the file. Raises :class:`vmalloc.VmallocError` if a
         write failed (recording stops at the first failure; allocations go on)."""
         self.get()
-        cdef CLoggingAdaptor* adaptor = self.logging
+        cdef CLoggingAllocator* adaptor = self.logging
         with nogil:
             adaptor.flush()
 
@@ -75,7 +75,7 @@ cdef class LoggingAllocator(Allocator):
         """Completes the trace file. Afterwards :meth:`allocate` raises and
         :meth:`deallocate` still gives memory back, unrecorded. Idempotent."""
         self.get()
-        cdef CLoggingAdaptor* adaptor = self.logging
+        cdef CLoggingAllocator* adaptor = self.logging
         with nogil:
             adaptor.close()
 
@@ -83,7 +83,7 @@ cdef class LoggingAllocator(Allocator):
     def closed(self):
         """True once :meth:`close` was called."""
         self.get()
-        cdef CLoggingAdaptor* adaptor = self.logging
+        cdef CLoggingAllocator* adaptor = self.logging
         cdef bool value
         with nogil:
             value = adaptor.closed()
@@ -93,7 +93,7 @@ cdef class LoggingAllocator(Allocator):
     def events_written(self):
         """Events recorded so far (buffered ones included)."""
         self.get()
-        cdef CLoggingAdaptor* adaptor = self.logging
+        cdef CLoggingAllocator* adaptor = self.logging
         cdef uint64_t value
         with nogil:
             value = adaptor.events_written()
@@ -103,7 +103,7 @@ cdef class LoggingAllocator(Allocator):
     def unrecorded_frees(self):
         """Frees of pointers allocated before the wrapping (forwarded, not recorded)."""
         self.get()
-        cdef CLoggingAdaptor* adaptor = self.logging
+        cdef CLoggingAllocator* adaptor = self.logging
         cdef uint64_t value
         with nogil:
             value = adaptor.unrecorded_frees()
@@ -113,7 +113,7 @@ cdef class LoggingAllocator(Allocator):
     def failed_allocations(self):
         """Allocations the wrapped allocator refused (not in the trace)."""
         self.get()
-        cdef CLoggingAdaptor* adaptor = self.logging
+        cdef CLoggingAllocator* adaptor = self.logging
         cdef uint64_t value
         with nogil:
             value = adaptor.failed_allocations()
