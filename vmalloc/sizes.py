@@ -60,6 +60,21 @@ def parse_size(value, what="size", allow_none=False):
     return n
 
 
+def parse_optional_size(value, what, none_means):
+    """``value`` in bytes, which must be positive, or 0 for ``None``: the C++ options' "not
+    set" (the default, or no limit; ``none_means`` says which, for the message).
+
+    Raises InvalidArgumentError for 0 (which would silently mean "not set") and for anything
+    :func:`parse_size` refuses.
+    """
+    if value is None:
+        return 0
+    n = parse_size(value, what)
+    if n == 0:
+        raise InvalidArgumentError(f"{what} must be positive (None for {none_means}), got 0")
+    return n
+
+
 def format_size(nbytes):
     """``2097152`` -> ``"2.00 MiB"``; for tables and messages."""
     value = float(nbytes)
