@@ -75,6 +75,31 @@ def parse_optional_size(value, what, none_means):
     return n
 
 
+def size_argument(text):
+    """:func:`parse_size` as an argparse ``type=``: a bad size becomes argparse's one-line
+    usage error."""
+    import argparse
+
+    try:
+        return parse_size(text)
+    except InvalidArgumentError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def size_list_argument(text):
+    """A comma-separated list of positive sizes (``"4KiB,3MiB"``) as an argparse ``type=``."""
+    import argparse
+
+    try:
+        sizes = [parse_size(part.strip(), "size") for part in text.split(",") if part.strip()]
+    except InvalidArgumentError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if not sizes or 0 in sizes:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of positive sizes such as "
+                                         "'4KiB,3MiB'")
+    return sizes
+
+
 def format_size(nbytes):
     """``2097152`` -> ``"2.00 MiB"``; for tables and messages."""
     value = float(nbytes)
