@@ -24,7 +24,7 @@ import numpy as np
 from vmalloc import allocator_kinds
 from vmalloc._replay import Replay
 from vmalloc.errors import InvalidArgumentError
-from vmalloc.sizes import format_size, parse_size
+from vmalloc.sizes import format_size, parse_optional_size, parse_size
 from vmalloc.stats import Stats
 from vmalloc.traces.events import BATCH_EVENTS, EVENT_DTYPE
 
@@ -484,9 +484,7 @@ def replay_once(trace, allocator="virtual", *, capacity=None, granularity=None, 
     """
     source = _source(trace, format=format, device=device, before_window=before_window,
                      name=name)
-    capacity = parse_size(capacity, "capacity", allow_none=True)
-    if capacity == 0:
-        raise InvalidArgumentError("capacity must be positive, or None for unlimited")
+    capacity = parse_optional_size(capacity, "capacity", "unlimited") or None
     granularity = parse_size(granularity, "granularity", allow_none=True)
     kind_name = allocator if isinstance(allocator, str) else None
     options = _options(kind_name, chunk_size, max_split_size, policy, steal_before_create,
