@@ -1,7 +1,8 @@
 """Shared fixtures: the devices and allocators every allocator test suite runs over.
 
-Add a device or allocator kind by adding an entry below; a kind whose class is not built yet
-is skipped, not failed, so suites can land before every backend does.
+Add a device kind by adding an entry below, an allocator kind by adding it to
+vmalloc.allocator_kinds; a kind whose class is not built yet is skipped, not failed, so suites
+can land before every backend does.
 """
 
 import os
@@ -10,6 +11,7 @@ import pytest
 from hypothesis import settings
 
 import vmalloc
+import vmalloc.allocator_kinds
 
 # CI (the CI variable set, as .ci/run does) draws the same hypothesis examples on every run, so
 # a red CI means a regression, not an unlucky draw; elsewhere every run explores new examples.
@@ -39,16 +41,10 @@ DEVICE_KINDS = {
     "cuda-emulator": ("CudaDevice", _cuda_emulator_device),
 }
 
-#: name -> (attribute of vmalloc that must exist, factory(device, **options) -> Allocator).
-ALLOCATOR_KINDS = {
-    "virtual": ("VirtualAllocator", lambda device, **o: vmalloc.VirtualAllocator(device, **o)),
-    "caching": ("CachingAllocator", lambda device, **o: vmalloc.CachingAllocator(device, **o)),
-    "expandable-segments": ("CachingAllocator",
-                            lambda device, **o: vmalloc.CachingAllocator(
-                                device, expandable_segments=True, **o)),
-    "virtual-packed": ("VirtualAllocator",
-                       lambda device, **o: vmalloc.VirtualAllocator(device, placement="packed", **o)),
-}
+#: name -> (attribute of vmalloc that must exist, factory(device, **options) -> Allocator): the
+#: package's one list of allocator kinds (vmalloc.allocator_kinds).
+ALLOCATOR_KINDS = {kind.name: (kind.class_name, kind.make)
+                   for kind in vmalloc.allocator_kinds.KINDS.values()}
 
 
 def _available(kinds, name):

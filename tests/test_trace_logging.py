@@ -43,7 +43,7 @@ def test_records_a_session_exactly(upstream, tmp_path):
         assert log.events_written == 5
     assert log.closed
     trace = open_trace(path)
-    assert trace.info.metadata["created_by"] == "vmalloc::LoggingAdaptor"
+    assert trace.info.metadata["created_by"] == "vmalloc::LoggingAllocator"
     assert trace.info.metadata["allocator"] == upstream.name
     assert trace.info.metadata["consistent"] is True
     assert as_tuples(trace.events()) == [

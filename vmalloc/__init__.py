@@ -33,7 +33,7 @@ from vmalloc._allocator import Allocator
 from vmalloc._host_device import HostDevice
 from vmalloc._cuda_device import CudaDevice
 from vmalloc._caching_allocator import CachingAllocator
-from vmalloc._logging_adaptor import LoggingAllocator
+from vmalloc._logging_allocator import LoggingAllocator
 from vmalloc import traces
 from vmalloc._current_allocator import (
     get_current_allocator,

@@ -2,15 +2,24 @@
 """The Python face of the allocator interface, shared by every vmalloc allocator."""
 
 from libc.stdint cimport uintptr_t
+from libcpp.memory cimport shared_ptr
 from libcpp.string cimport string
 
-from vmalloc._device cimport stream_handle
+from vmalloc._device cimport Device, stream_handle
+from vmalloc._lib.alloc.allocator cimport CAllocator
+from vmalloc._lib.base.stats cimport CStats
+from vmalloc._lib.base.types cimport unknown_size
+
 from vmalloc.errors import OutOfMemoryError
 from vmalloc.sizes import MAX_SIZE, parse_size
 from vmalloc.stats import Stats
 
 
 cdef size_t _MAX_REQUEST = MAX_SIZE
+
+# Passed by wrap_allocator to Allocator.__new__: the only way to make a plain Allocator, which
+# Python code cannot reach (a cdef module global is not a module attribute).
+cdef object _WRAP = object()
 
 
 cdef object stats_from_c(const CStats& s):
@@ -32,12 +41,35 @@ cdef object stats_from_c(const CStats& s):
     )
 
 
+cdef Allocator wrap_allocator(shared_ptr[CAllocator] c_allocator, Device device):
+    if not c_allocator or device is None:
+        raise RuntimeError("wrap_allocator: no C++ allocator or no device to wrap")
+    cdef Allocator allocator = Allocator.__new__(Allocator, _WRAP)
+    allocator.c_allocator = c_allocator
+    allocator.device = device
+    allocator.init_called = True
+    return allocator
+
+
 cdef class Allocator:
     """Base of every vmalloc allocator: allocate / deallocate device memory on a stream.
 
-    Not constructed directly. Thread-safe. Sizes are ints or strings such as ``"2MiB"``;
-    streams are ints (``CUstream`` handles, 0 = default) or CuPy/PyTorch stream objects.
+    Not constructed directly: ``Allocator()`` raises TypeError. Thread-safe. Sizes are ints
+    or strings such as ``"2MiB"``; streams are ints (``CUstream`` handles, 0 = default) or
+    CuPy/PyTorch stream objects.
     """
+
+    # A subclass builds its C++ allocator in __cinit__, so a wrapper that exists holds one
+    # (even one made with cls.__new__(cls)); __init__ only refuses to be called a second time.
+
+    def __cinit__(self, *args, **kwargs):
+        # Runs before the subclass's __cinit__, with its arguments. A plain Allocator would
+        # hold no allocator: only wrap_allocator makes one.
+        if type(self) is Allocator and not (len(args) == 1 and args[0] is _WRAP
+                                            and not kwargs):
+            raise TypeError("vmalloc.Allocator cannot be constructed: it is the base of "
+                            "VirtualAllocator, CachingAllocator and LoggingAllocator; "
+                            "construct one of those")
 
     # Every entry point releases the GIL around the C++ call: the allocator's mutex may be
     # held by a thread that waits for the device (a synchronize inside allocate), and a
@@ -45,9 +77,11 @@ cdef class Allocator:
     # device go on (e.g. one releasing a stream hold) from running.
 
     cdef CAllocator* get(self) except NULL:
+        # Only a Python subclass that builds no allocator reaches the error.
         if not self.c_allocator:
-            raise RuntimeError(f"{type(self).__name__} is not initialized (construct it with "
-                               f"{type(self).__name__}(...), not __new__)")
+            raise RuntimeError(f"{type(self).__name__} is not initialized: it holds no "
+                               f"allocator (subclass one of vmalloc's allocators, not "
+                               f"Allocator)")
         return self.c_allocator.get()
 
     def __dealloc__(self):

@@ -4,24 +4,12 @@
 from libc.stdint cimport uintptr_t
 from libcpp.vector cimport vector
 
-from vmalloc._allocator cimport Allocator, CAllocator
-from vmalloc._device cimport stream_handle, vmalloc_raise_py_error
+from vmalloc._allocator cimport Allocator
+from vmalloc._device cimport stream_handle
+from vmalloc._lib.alloc.allocator cimport CAllocator
+from vmalloc._lib.bench.bench cimport PairTiming, c_time_alloc_free_pairs, c_time_size_cycle
+
 from vmalloc.sizes import parse_size
-
-
-cdef extern from "vmalloc/bench/bench.hpp" namespace "vmalloc::bench" nogil:
-    cdef cppclass PairTiming:
-        size_t pairs
-        double seconds
-        double ns_per_pair
-
-    PairTiming c_time_alloc_free_pairs "vmalloc::bench::time_alloc_free_pairs"(
-        CAllocator& allocator, size_t nbytes, size_t pairs, uintptr_t stream, size_t warmup) \
-        except +vmalloc_raise_py_error
-    PairTiming c_time_size_cycle "vmalloc::bench::time_size_cycle"(
-        CAllocator& allocator, const vector[size_t]& sizes, size_t depth, size_t pairs,
-        uintptr_t stream) \
-        except +vmalloc_raise_py_error
 
 
 cdef dict _result(PairTiming t):

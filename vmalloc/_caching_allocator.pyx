@@ -2,84 +2,28 @@
 """CachingAllocator: the best-fit caching baseline (PyTorch's CUDACachingAllocator policy)."""
 
 from libc.stdint cimport uintptr_t
-from libcpp cimport bool
 from libcpp.memory cimport shared_ptr, static_pointer_cast
-from libcpp.string cimport string
 from libcpp.vector cimport vector
 
-from vmalloc._allocator cimport Allocator, CAllocator
-from vmalloc._device cimport CDevice, Device, stream_handle, vmalloc_raise_py_error
+from vmalloc._allocator cimport Allocator
+from vmalloc._device cimport Device, stream_handle
+from vmalloc._init_once cimport refuse_second_init
+from vmalloc._lib.alloc.allocator cimport CAllocator
+from vmalloc._lib.alloc.caching_allocator cimport (
+    CBlockState,
+    CCachingAllocator,
+    CCachingAllocatorOptions,
+    CCachingBlockInfo,
+    CCachingSegmentInfo,
+    CCachingSegmentStats,
+    caching_policy_name,
+    caching_unlimited,
+    parse_caching_policy,
+)
+from vmalloc._lib.device.device cimport CDevice
 
 from vmalloc.errors import InvalidArgumentError
-from vmalloc.sizes import parse_size
-
-
-cdef extern from "vmalloc/alloc/caching_allocator.hpp" namespace "vmalloc" nogil:
-    cdef enum class CCachingPolicy "vmalloc::CachingPolicy":
-        pytorch
-        nnabla
-        cupy
-
-    const char* caching_policy_name(CCachingPolicy policy)
-    CCachingPolicy parse_caching_policy(const string& name) except +vmalloc_raise_py_error
-
-    cdef cppclass CCachingAllocatorOptions "vmalloc::CachingAllocatorOptions":
-        CCachingPolicy policy
-        size_t max_split_size
-        size_t max_non_split_rounding_size
-        size_t budget
-        bool expandable_segments
-
-    cdef cppclass CCachingSegmentStats "vmalloc::CachingSegmentStats":
-        size_t small_segments
-        size_t large_segments
-        size_t small_segment_bytes
-        size_t large_segment_bytes
-        size_t live_blocks
-        size_t free_blocks
-        size_t free_bytes
-        size_t largest_free_block
-        size_t waiting_blocks
-        size_t waiting_bytes
-        size_t unsplit_free_segments
-        size_t segments_created
-        size_t segments_released
-        size_t alloc_retries
-        size_t cache_flushes
-
-    cdef enum class CBlockState "vmalloc::CachingBlockInfo::State":
-        allocated
-        waiting
-        free
-
-    cdef cppclass CCachingBlockInfo "vmalloc::CachingBlockInfo":
-        uintptr_t ptr
-        size_t size
-        size_t requested
-        uintptr_t stream
-        CBlockState state
-
-    cdef cppclass CCachingSegmentInfo "vmalloc::CachingSegmentInfo":
-        uintptr_t ptr
-        size_t size
-        bool small
-        uintptr_t stream
-        vector[CCachingBlockInfo] blocks
-
-    cdef cppclass CCachingAllocator "vmalloc::CachingAllocator"(CAllocator):
-        CCachingAllocator(shared_ptr[CDevice] device,
-                          CCachingAllocatorOptions options) except +vmalloc_raise_py_error
-        void record_stream(uintptr_t ptr, uintptr_t stream) except +vmalloc_raise_py_error
-        CCachingSegmentStats segment_stats() except +vmalloc_raise_py_error
-        vector[CCachingSegmentInfo] snapshot() except +vmalloc_raise_py_error
-        const CCachingAllocatorOptions& options()
-        size_t round_size(size_t nbytes)
-        bool is_small(size_t rounded)
-        size_t segment_size(size_t rounded)
-
-
-cdef extern from "vmalloc/alloc/caching_allocator.hpp" namespace "vmalloc::CachingAllocatorOptions" nogil:
-    cdef size_t unlimited
+from vmalloc.sizes import parse_optional_size, parse_size
 
 
 _STATE_NAMES = {
@@ -123,15 +67,12 @@ cdef class CachingAllocator(Allocator):
             names it).
     """
 
-    def __init__(self, Device device not None, policy="pytorch", max_split_size=None,
-                 max_non_split_rounding_size=None, budget=None, expandable_segments=False):
+    def __cinit__(self, Device device not None, policy="pytorch", max_split_size=None,
+                  max_non_split_rounding_size=None, budget=None, expandable_segments=False):
         cdef CCachingAllocatorOptions options
         cdef shared_ptr[CCachingAllocator] allocator
         cdef shared_ptr[CDevice] c_device
-        if self.c_allocator:
-            raise RuntimeError("CachingAllocator is already initialized: __init__ cannot be "
-                               "called twice; create a new CachingAllocator")
-        device.get()  # raises for an uninitialized device
+        device.get()  # raises for a device that holds none
         c_device = device.c_device
         if not isinstance(policy, str):
             raise InvalidArgumentError(
@@ -142,15 +83,16 @@ cdef class CachingAllocator(Allocator):
         if max_non_split_rounding_size is not None:
             options.max_non_split_rounding_size = parse_size(
                 max_non_split_rounding_size, "max_non_split_rounding_size")
-        if budget is not None:
-            options.budget = parse_size(budget, "budget")
-            if options.budget == 0:
-                raise InvalidArgumentError("budget must be positive, or None for no budget")
+        options.budget = parse_optional_size(budget, "budget", "no budget")
         options.expandable_segments = True if expandable_segments else False
         with nogil:
             allocator = shared_ptr[CCachingAllocator](new CCachingAllocator(c_device, options))
         self.c_allocator = static_pointer_cast[CAllocator, CCachingAllocator](allocator)
         self.device = device
+
+    def __init__(self, Device device not None, policy="pytorch", max_split_size=None,
+                 max_non_split_rounding_size=None, budget=None, expandable_segments=False):
+        refuse_second_init(self, &self.init_called)
 
     cdef CCachingAllocator* caching(self) except NULL:
         return <CCachingAllocator*>self.get()
@@ -164,7 +106,7 @@ cdef class CachingAllocator(Allocator):
     def max_split_size(self):
         """``max_split_size`` in bytes, or None when unlimited."""
         cdef size_t v = self.caching().options().max_split_size
-        return None if v == unlimited else v
+        return None if v == caching_unlimited else v
 
     @property
     def max_non_split_rounding_size(self):

@@ -1,25 +1,16 @@
 # cython: language_level=3
 """CudaDevice: the device interface over the CUDA driver's virtual memory management API."""
 
-from libc.stdint cimport uintptr_t
 from libcpp.string cimport string
-from libcpp.vector cimport vector
 
-from vmalloc._device cimport CDevice, Device, vmalloc_raise_py_error
-
-
-cdef extern from "vmalloc/device/detail/cuda_driver.hpp" namespace "vmalloc::driver" nogil:
-    vector[string] driver_entry_point_symbols() except +
-    string default_driver_library() except +
-
-
-cdef extern from "vmalloc/device/cuda_device.hpp" namespace "vmalloc" nogil:
-    cdef cppclass CCudaDevice "vmalloc::CudaDevice"(CDevice):
-        CCudaDevice(int ordinal, const string& library) except +vmalloc_raise_py_error
-        const string& library()
-        int driver_version()
-        const string& device_name()
-        uintptr_t context_handle()
+from vmalloc._device cimport Device
+from vmalloc._init_once cimport refuse_second_init
+from vmalloc._lib.device.cuda_device cimport CCudaDevice
+from vmalloc._lib.device.detail.cuda_driver cimport (
+    default_driver_library,
+    driver_entry_point_symbols,
+)
+from vmalloc._lib.device.device cimport CDevice
 
 
 cdef class CudaDevice(Device):
@@ -46,15 +37,15 @@ cdef class CudaDevice(Device):
     (allocations, reservations, mappings, pinned memory, streams, events) is freed then.
     """
 
-    def __init__(self, int ordinal=0, library=None):
-        if self.c_device:
-            raise RuntimeError("CudaDevice is already initialized: __init__ cannot be called "
-                               "twice; create a new CudaDevice")
+    def __cinit__(self, int ordinal=0, library=None):
         cdef string path = b"" if library is None else str(library).encode()
         cdef CCudaDevice* device
         with nogil:
             device = new CCudaDevice(ordinal, path)
         self.c_device.reset(<CDevice*>device)
+
+    def __init__(self, int ordinal=0, library=None):
+        refuse_second_init(self, &self.init_called)
 
     cdef CCudaDevice* cuda(self) except NULL:
         return <CCudaDevice*>self.get()

@@ -8,48 +8,30 @@ from libc.stdint cimport uintptr_t
 from libcpp.memory cimport shared_ptr
 from libcpp.vector cimport vector
 
-from vmalloc._allocator cimport Allocator, CAllocator
-from vmalloc._device cimport CDevice, Device, vmalloc_raise_py_error
+from vmalloc._allocator cimport Allocator, wrap_allocator
+from vmalloc._device cimport wrap_device
+from vmalloc._lib.alloc.allocator cimport CAllocator
+from vmalloc._lib.alloc.current_allocator cimport (
+    c_current_allocator,
+    c_devices_with_current_allocator,
+    c_set_current_allocator,
+    max_registry_devices,
+)
+from vmalloc._lib.c_api cimport (
+    vmalloc_abi_version,
+    vmalloc_clear_last_error,
+    vmalloc_cupy_free,
+    vmalloc_cupy_malloc,
+    vmalloc_last_error,
+    vmalloc_last_error_code,
+    vmalloc_torch_alloc,
+    vmalloc_torch_empty_cache,
+    vmalloc_torch_free,
+    vmalloc_torch_record_stream,
+)
+from vmalloc._lib.dlfcn cimport Dl_info, dladdr
 
 from vmalloc.errors import InvalidArgumentError
-
-
-cdef extern from "vmalloc/alloc/current_allocator.hpp" nogil:
-    int max_registry_devices "vmalloc::max_registry_devices"
-    shared_ptr[CAllocator] c_set_current_allocator "vmalloc::set_current_allocator"(
-        int device, shared_ptr[CAllocator] allocator) except +vmalloc_raise_py_error
-    shared_ptr[CAllocator] c_current_allocator "vmalloc::current_allocator"(int device)
-    vector[int] c_devices_with_current_allocator "vmalloc::devices_with_current_allocator"() \
-        except +vmalloc_raise_py_error
-
-
-# Allocator::device(), which vmalloc/_allocator.pxd does not declare.
-cdef extern from "vmalloc/alloc/allocator.hpp" nogil:
-    cdef cppclass AllocatorOnDevice "vmalloc::Allocator":
-        const shared_ptr[CDevice]& device()
-
-
-cdef extern from "<sys/types.h>":
-    ctypedef long ssize_t
-
-
-cdef extern from "vmalloc/c_api.h" nogil:
-    int vmalloc_abi_version()
-    const char* vmalloc_last_error()
-    int vmalloc_last_error_code()
-    void vmalloc_clear_last_error()
-    void* vmalloc_torch_alloc(ssize_t size, int device, void* stream)
-    void vmalloc_torch_free(void* ptr, ssize_t size, int device, void* stream)
-    void vmalloc_torch_record_stream(void* ptr, void* stream)
-    void vmalloc_torch_empty_cache()
-    void* vmalloc_cupy_malloc(void* param, size_t size, int device_id)
-    void vmalloc_cupy_free(void* param, void* ptr, int device_id)
-
-
-cdef extern from "<dlfcn.h>" nogil:
-    ctypedef struct Dl_info:
-        const char* dli_fname
-    int dladdr(const void* addr, Dl_info* info)
 
 
 #: The vmalloc_status values of the C ABI (include/vmalloc/c_api.h), by name.
@@ -105,12 +87,7 @@ cdef object _wrap(shared_ptr[CAllocator] c_allocator, int device):
     if known is not None and known.c_allocator.get() == c_allocator.get():
         return known
     # Set through the C ABI: a plain wrapper sharing ownership.
-    cdef Allocator wrapper = Allocator.__new__(Allocator)
-    wrapper.c_allocator = c_allocator
-    cdef Device dev = Device.__new__(Device)
-    dev.c_device = (<AllocatorOnDevice*>c_allocator.get()).device()
-    wrapper.device = dev
-    return wrapper
+    return wrap_allocator(c_allocator, wrap_device(c_allocator.get().device()))
 
 
 def set_current_allocator(allocator, device=0):
@@ -131,7 +108,7 @@ def set_current_allocator(allocator, device=0):
             raise TypeError(f"allocator must be a vmalloc.Allocator or None, "
                             f"got {type(allocator).__name__}")
         a = allocator
-        a.get()  # raises for an uninitialized wrapper
+        a.get()  # raises for a Python subclass that holds no allocator
         dev = a.device
         if dev is not None and dev.name.startswith("cuda:") and dev.ordinal != d:
             raise InvalidArgumentError(

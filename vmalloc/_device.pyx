@@ -3,9 +3,23 @@
 
 from libc.stdint cimport uint64_t, uintptr_t
 from libcpp cimport bool
+from libcpp.memory cimport shared_ptr
 from libcpp.string cimport string
 
+from vmalloc._lib.base.driver_calls cimport (
+    CostModel,
+    CounterSnapshot,
+    driver_call_count,
+    driver_call_name_at,
+)
+from vmalloc._lib.device.device cimport CDevice
+
 from vmalloc.sizes import parse_size
+
+
+# Passed by wrap_device to Device.__new__: the only way to make a plain Device, which Python
+# code cannot reach (a cdef module global is not a module attribute).
+cdef object _WRAP = object()
 
 
 cdef uintptr_t stream_handle(object stream) except? 0:
@@ -21,6 +35,15 @@ cdef uintptr_t stream_handle(object stream) except? 0:
                     f"got {type(stream).__name__}")
 
 
+cdef Device wrap_device(shared_ptr[CDevice] c_device):
+    if not c_device:
+        raise RuntimeError("wrap_device: no C++ device to wrap")
+    cdef Device device = Device.__new__(Device, _WRAP)
+    device.c_device = c_device
+    device.init_called = True
+    return device
+
+
 def _call_names():
     return [driver_call_name_at(i).decode() for i in range(driver_call_count)]
 
@@ -28,18 +51,29 @@ def _call_names():
 cdef class Device:
     """A GPU, real (:class:`CudaDevice`) or emulated (:class:`HostDevice`).
 
-    Not constructed directly. All methods are thread-safe; failures raise
-    :class:`vmalloc.DeviceError` naming the driver call and its ``CUresult``.
+    Not constructed directly: ``Device()`` raises TypeError. All methods are thread-safe;
+    failures raise :class:`vmalloc.DeviceError` naming the driver call and its ``CUresult``.
     """
+
+    # A subclass builds its C++ device in __cinit__, so a wrapper that exists holds one (even
+    # one made with cls.__new__(cls)); __init__ only refuses to be called a second time.
+
+    def __cinit__(self, *args, **kwargs):
+        # Runs before the subclass's __cinit__, with its arguments. A plain Device would hold
+        # no device: only wrap_device makes one.
+        if type(self) is Device and not (len(args) == 1 and args[0] is _WRAP and not kwargs):
+            raise TypeError("vmalloc.Device cannot be constructed: it is the base of "
+                            "HostDevice and CudaDevice; construct one of those")
 
     # Every call into the device releases the GIL: the device's calls take its locks and may
     # wait for streams, and a thread waiting with the GIL held would stop the Python thread
     # that makes the device go on.
 
     cdef CDevice* get(self) except NULL:
+        # Only a Python subclass that builds no device reaches the error.
         if not self.c_device:
-            raise RuntimeError(f"{type(self).__name__} is not initialized (construct it with "
-                               f"{type(self).__name__}(...), not __new__)")
+            raise RuntimeError(f"{type(self).__name__} is not initialized: it holds no device "
+                               f"(subclass HostDevice or CudaDevice, not Device)")
         return self.c_device.get()
 
     def __dealloc__(self):

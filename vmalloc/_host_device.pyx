@@ -4,43 +4,20 @@
 from libc.stdint cimport uint64_t, uintptr_t
 from libcpp cimport bool as cbool
 
-from vmalloc._device cimport CDevice, Device, stream_handle, vmalloc_raise_py_error
+from vmalloc._device cimport Device, stream_handle
+from vmalloc._init_once cimport refuse_second_init
+from vmalloc._lib.device.device cimport CDevice
+from vmalloc._lib.device.host_device cimport (
+    CHostDevice,
+    CHostDeviceOptions,
+    CHostDeviceState,
+    host_device_process_vmas,
+    host_device_set_vma_limit,
+    host_device_vma_limit,
+)
+
 from vmalloc.errors import DeviceError
 from vmalloc.sizes import parse_size
-
-
-cdef extern from "vmalloc/device/host_device.hpp" namespace "vmalloc" nogil:
-    cdef cppclass CHostDeviceOptions "vmalloc::HostDeviceOptions":
-        size_t capacity
-        size_t granularity
-        cbool backed
-        int ordinal
-
-    cdef cppclass CHostDeviceState "vmalloc::HostDeviceState":
-        size_t physical_allocations
-        size_t released_still_mapped
-        size_t reservations
-        size_t mappings
-        size_t bytes_created
-        size_t bytes_reserved
-        size_t bytes_mapped
-        size_t bytes_accessible
-        size_t host_allocations
-        size_t host_bytes
-        size_t streams
-        size_t events
-        size_t vmas
-
-    cdef cppclass CHostDevice "vmalloc::HostDevice"(CDevice):
-        CHostDevice(const CHostDeviceOptions& options) except +vmalloc_raise_py_error
-        CHostDeviceState state() except +vmalloc_raise_py_error
-        uint64_t hold_stream(uintptr_t stream) except +vmalloc_raise_py_error
-        uintptr_t create_stream(cbool non_blocking) except +vmalloc_raise_py_error
-        void release_hold(uint64_t hold) except +vmalloc_raise_py_error
-
-    cdef size_t host_device_vma_limit "vmalloc::HostDevice::vma_limit"()
-    cdef void host_device_set_vma_limit "vmalloc::HostDevice::set_vma_limit"(size_t limit)
-    cdef size_t host_device_process_vmas "vmalloc::HostDevice::process_vmas"()
 
 
 cdef class HostDevice(Device):
@@ -62,10 +39,7 @@ cdef class HostDevice(Device):
     (``.call``, e.g. ``"cuMemMap"``) and the ``CUresult`` (``.code``), and changes nothing.
     """
 
-    def __init__(self, capacity=None, granularity="2MiB", backed=True, ordinal=0):
-        if self.c_device:
-            raise RuntimeError("HostDevice is already initialized: __init__ cannot be called "
-                               "twice; create a new HostDevice")
+    def __cinit__(self, capacity=None, granularity="2MiB", backed=True, ordinal=0):
         cdef CHostDeviceOptions options
         options.capacity = parse_size(capacity, "capacity", allow_none=True) or 0
         options.granularity = parse_size(granularity, "granularity")
@@ -77,6 +51,9 @@ cdef class HostDevice(Device):
         with nogil:
             device = new CHostDevice(options)
         self.c_device.reset(<CDevice*>device)
+
+    def __init__(self, capacity=None, granularity="2MiB", backed=True, ordinal=0):
+        refuse_second_init(self, &self.init_called)
 
     cdef CHostDevice* host(self) except NULL:
         return <CHostDevice*>self.get()

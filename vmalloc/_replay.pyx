@@ -1,6 +1,22 @@
 # cython: language_level=3
 """The replay engine's Python face: feeds trace batches to an allocator without the GIL."""
 
+from libc.stdint cimport uint64_t
+from libcpp cimport bool
+from libcpp.memory cimport shared_ptr
+from libcpp.vector cimport vector
+
+from vmalloc._allocator cimport Allocator
+from vmalloc._init_once cimport refuse_second_init
+from vmalloc._lib.alloc.allocator cimport CAllocator
+from vmalloc._lib.trace.replay cimport (
+    CReplay,
+    ReplayCounts,
+    ReplayOptions,
+    TimelinePoint,
+    TraceEvent,
+)
+
 import numpy as np
 
 from vmalloc.errors import InvalidArgumentError
@@ -26,8 +42,7 @@ cdef class Replay:
     def __cinit__(self, Allocator allocator not None, timeline_points=2048,
                   stop_on_out_of_memory=True):
         cdef ReplayOptions options
-        if not allocator.c_allocator:
-            raise RuntimeError("allocator is not initialized")
+        allocator.get()  # raises for an allocator wrapper that holds none
         if timeline_points < 0:
             raise InvalidArgumentError(
                 f"timeline_points must not be negative, got {timeline_points}")
@@ -40,14 +55,19 @@ cdef class Replay:
         self.c_replay.reset(created)
         self.allocator = allocator
 
+    def __init__(self, Allocator allocator not None, timeline_points=2048,
+                 stop_on_out_of_memory=True):
+        refuse_second_init(self, &self.init_called)
+
     def __dealloc__(self):
         # Destroying the replay frees what is live and synchronizes the device.
         with nogil:
             self.c_replay.reset()
 
     cdef CReplay* get(self) except NULL:
+        # Unreachable from Python (__cinit__ builds the engine or raises): a guard for C code.
         if not self.c_replay:
-            raise RuntimeError("replay is not initialized")
+            raise RuntimeError("Replay is not initialized")
         return self.c_replay.get()
 
     def feed(self, batch):

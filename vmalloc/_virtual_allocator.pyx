@@ -5,115 +5,30 @@ from libc.stdint cimport uint64_t
 from libcpp cimport bool
 from libcpp.memory cimport shared_ptr, static_pointer_cast
 
-from vmalloc._allocator cimport Allocator, CAllocator
-from vmalloc._device cimport CDevice, Device, stream_handle, vmalloc_raise_py_error
+from vmalloc._allocator cimport Allocator
+from vmalloc._device cimport Device, stream_handle
+from vmalloc._init_once cimport refuse_second_init
+from vmalloc._lib.alloc.allocator cimport CAllocator
+from vmalloc._lib.alloc.packed_virtual_allocator cimport (
+    CPackedVirtualAllocator,
+    PackedStats,
+    PackedVirtualAllocatorOptions,
+    packed_default_small_threshold,
+)
+from vmalloc._lib.alloc.virtual_allocator cimport (
+    ChunkStats,
+    CVirtualAllocator,
+    VirtualAllocatorOptions,
+    default_small_threshold,
+)
+from vmalloc._lib.device.device cimport CDevice
 
-from vmalloc.sizes import parse_size
+from vmalloc.errors import InvalidArgumentError
+from vmalloc.sizes import parse_optional_size, parse_size
 
+# PhysicalChunkPool has a module of its own; it is still importable from here, where it was.
+from vmalloc._physical_chunk_pool import PhysicalChunkPool  # noqa: F401
 
-cdef extern from "vmalloc/alloc/virtual_allocator.hpp" namespace "vmalloc" nogil:
-    cdef cppclass VirtualAllocatorOptions:
-        size_t chunk_size
-        size_t budget
-        size_t small_threshold
-        bool steal_before_create
-
-    cdef size_t default_small_threshold "vmalloc::VirtualAllocatorOptions::default_small_threshold"
-
-    cdef cppclass ChunkStats:
-        size_t chunk_size
-        size_t small_threshold
-        size_t budget_bytes
-        size_t chunks_held
-        size_t peak_chunks_held
-        size_t chunks_live
-        size_t chunks_cached
-        size_t chunks_in_arenas
-        size_t chunks_in_pool
-        size_t free_chunks
-        size_t arena_chunks_empty
-        size_t cached_ranges
-        size_t live_ranges
-        size_t live_blocks
-        size_t free_blocks
-        size_t arena_free_bytes
-        size_t reservations
-        size_t reserved_address_bytes
-        size_t chunks_created
-        size_t chunks_released
-        size_t chunks_stolen
-        size_t unbacked_ranges
-        size_t chunks_unbacked
-        size_t unbacked_bytes
-        size_t events_created
-        bool multi_stream
-
-    cdef cppclass CVirtualAllocator "vmalloc::VirtualAllocator"(CAllocator):
-        @staticmethod
-        shared_ptr[CVirtualAllocator] create(shared_ptr[CDevice] device,
-                                             const VirtualAllocatorOptions& options) \
-            except +vmalloc_raise_py_error
-        ChunkStats chunk_stats() except +vmalloc_raise_py_error
-        size_t chunk_size()
-        size_t small_threshold()
-        size_t budget()
-        bool steal_before_create()
-        bool owns_chunks(uint64_t ptr) except +vmalloc_raise_py_error
-        void unmap_backing(uint64_t ptr, uint64_t stream,
-                           bool synchronize) except +vmalloc_raise_py_error
-        void map_backing(uint64_t ptr, uint64_t stream) except +vmalloc_raise_py_error
-
-
-cdef extern from "vmalloc/alloc/packed_virtual_allocator.hpp" namespace "vmalloc" nogil:
-    cdef cppclass PackedVirtualAllocatorOptions:
-        size_t chunk_size
-        size_t budget
-        size_t small_threshold
-        size_t reservation_size
-        bool steal_before_create
-        double remap_slack
-
-    cdef size_t packed_default_small_threshold \
-        "vmalloc::PackedVirtualAllocatorOptions::default_small_threshold"
-
-    cdef cppclass PackedStats:
-        size_t chunk_size
-        size_t small_threshold
-        size_t reservation_size
-        bool steal_before_create
-        double remap_slack
-        size_t budget_bytes
-        size_t chunks_held
-        size_t peak_chunks_held
-        size_t chunks_live
-        size_t chunks_free_mapped
-        size_t chunks_in_pool
-        size_t free_chunks
-        size_t live_blocks
-        size_t free_holes
-        size_t hole_bytes
-        size_t reservations
-        size_t reserved_address_bytes
-        size_t chunks_created
-        size_t chunks_released
-        size_t chunks_stolen
-        size_t fresh_placements
-        size_t events_created
-        bool multi_stream
-
-    cdef cppclass CPackedVirtualAllocator "vmalloc::PackedVirtualAllocator"(CAllocator):
-        @staticmethod
-        shared_ptr[CPackedVirtualAllocator] create(shared_ptr[CDevice] device,
-                                                   const PackedVirtualAllocatorOptions& options) \
-            except +vmalloc_raise_py_error
-        PackedStats packed_stats() except +vmalloc_raise_py_error
-        ChunkStats chunk_stats() except +vmalloc_raise_py_error
-        size_t chunk_size()
-        size_t small_threshold()
-        size_t reservation_size()
-        bool steal_before_create()
-        double remap_slack()
-        size_t budget()
 
 #: The placement policies of :class:`VirtualAllocator`.
 PLACEMENTS = ("chunks", "packed")
@@ -172,9 +87,30 @@ cdef class VirtualAllocator(Allocator):
         TypeError: for a ``steal_before_create`` that is not a bool.
     """
 
-    cdef shared_ptr[CVirtualAllocator] c_virtual
-    cdef shared_ptr[CPackedVirtualAllocator] c_packed
-    cdef readonly str placement
+    def __cinit__(self, Device device not None, chunk_size=None, budget=None,
+                  small_threshold=None, placement="chunks", reservation_size=None,
+                  steal_before_create=None, remap_slack=None):
+        device.get()  # raises for a device that holds none
+        if placement not in PLACEMENTS:
+            raise InvalidArgumentError(
+                f"placement must be one of {', '.join(map(repr, PLACEMENTS))}, "
+                f"got {placement!r}")
+        if placement == "packed":
+            self.build_packed(device, chunk_size, budget, small_threshold, reservation_size,
+                              True if steal_before_create is None else steal_before_create,
+                              remap_slack)
+            return
+        if reservation_size is not None:
+            raise InvalidArgumentError('reservation_size applies to placement="packed" only')
+        if remap_slack is not None:
+            raise InvalidArgumentError('remap_slack applies to placement="packed" only')
+        self.build_chunks(device, chunk_size, budget, small_threshold,
+                          False if steal_before_create is None else steal_before_create)
+
+    def __init__(self, Device device not None, chunk_size=None, budget=None,
+                 small_threshold=None, placement="chunks", reservation_size=None,
+                 steal_before_create=None, remap_slack=None):
+        refuse_second_init(self, &self.init_called)
 
     def __dealloc__(self):
         # Allocator.__dealloc__ (run after this) drops the last reference without the GIL.
@@ -182,66 +118,34 @@ cdef class VirtualAllocator(Allocator):
             self.c_virtual.reset()
             self.c_packed.reset()
 
-    def __init__(self, Device device not None, chunk_size=None, budget=None,
-                 small_threshold=None, placement="chunks", reservation_size=None,
-                 steal_before_create=None, remap_slack=None):
-        if self.c_allocator:
-            raise RuntimeError("VirtualAllocator is already initialized: __init__ cannot be "
-                               "called twice; create a new VirtualAllocator")
-        device.get()  # raises for an uninitialized device
-        if placement not in PLACEMENTS:
-            raise_invalid(f"placement must be one of {', '.join(map(repr, PLACEMENTS))}, "
-                          f"got {placement!r}")
-        if placement == "packed":
-            self._init_packed(device, chunk_size, budget, small_threshold, reservation_size,
-                              True if steal_before_create is None else steal_before_create,
-                              remap_slack)
-            return
-        if reservation_size is not None:
-            raise_invalid('reservation_size applies to placement="packed" only')
-        if remap_slack is not None:
-            raise_invalid('remap_slack applies to placement="packed" only')
-        if steal_before_create is None:
-            steal_before_create = False
-        if steal_before_create is not True and steal_before_create is not False:
-            raise TypeError(f"steal_before_create must be a bool, got {steal_before_create!r}")
+    cdef int build_chunks(self, Device device, chunk_size, budget, small_threshold,
+                          steal_before_create) except -1:
         cdef VirtualAllocatorOptions options
-        options.chunk_size = 0 if chunk_size is None else parse_size(chunk_size, "chunk_size")
-        if chunk_size is not None and options.chunk_size == 0:
-            raise_invalid("chunk_size must be positive, got 0")
-        options.budget = 0 if budget is None else parse_size(budget, "budget")
-        if budget is not None and options.budget == 0:
-            raise_invalid("budget must be positive (None for no budget), got 0")
+        options.chunk_size = parse_optional_size(chunk_size, "chunk_size", "the default")
+        options.budget = parse_optional_size(budget, "budget", "no budget")
         options.small_threshold = (default_small_threshold if small_threshold is None
                                    else parse_size(small_threshold, "small_threshold"))
-        options.steal_before_create = steal_before_create
+        options.steal_before_create = _flag(steal_before_create, "steal_before_create")
         cdef shared_ptr[CDevice] c_device = device.c_device
         cdef shared_ptr[CVirtualAllocator] created
         with nogil:
             created = CVirtualAllocator.create(c_device, options)
-        self.placement = placement
+        self.placement = "chunks"
         self.c_virtual = created
         self.c_allocator = static_pointer_cast[CAllocator, CVirtualAllocator](self.c_virtual)
         self.device = device
+        return 0
 
-    def _init_packed(self, Device device, chunk_size, budget, small_threshold,
-                     reservation_size, steal_before_create, remap_slack):
+    cdef int build_packed(self, Device device, chunk_size, budget, small_threshold,
+                          reservation_size, steal_before_create, remap_slack) except -1:
         cdef PackedVirtualAllocatorOptions options
-        options.chunk_size = 0 if chunk_size is None else parse_size(chunk_size, "chunk_size")
-        if chunk_size is not None and options.chunk_size == 0:
-            raise_invalid("chunk_size must be positive, got 0")
-        options.budget = 0 if budget is None else parse_size(budget, "budget")
-        if budget is not None and options.budget == 0:
-            raise_invalid("budget must be positive (None for no budget), got 0")
+        options.chunk_size = parse_optional_size(chunk_size, "chunk_size", "the default")
+        options.budget = parse_optional_size(budget, "budget", "no budget")
         options.small_threshold = (packed_default_small_threshold if small_threshold is None
                                    else parse_size(small_threshold, "small_threshold"))
-        options.reservation_size = (0 if reservation_size is None
-                                    else parse_size(reservation_size, "reservation_size"))
-        if reservation_size is not None and options.reservation_size == 0:
-            raise_invalid("reservation_size must be positive (None for 1 GiB), got 0")
-        if steal_before_create is not True and steal_before_create is not False:
-            raise TypeError(f"steal_before_create must be a bool, got {steal_before_create!r}")
-        options.steal_before_create = steal_before_create
+        options.reservation_size = parse_optional_size(reservation_size, "reservation_size",
+                                                       "1 GiB")
+        options.steal_before_create = _flag(steal_before_create, "steal_before_create")
         if remap_slack is not None:
             options.remap_slack = float(remap_slack)  # checked in C++ (NaN, range)
         cdef shared_ptr[CDevice] c_device = device.c_device
@@ -253,11 +157,12 @@ cdef class VirtualAllocator(Allocator):
         self.c_allocator = static_pointer_cast[CAllocator, CPackedVirtualAllocator](
             self.c_packed)
         self.device = device
+        return 0
 
     @property
     def chunk_size(self):
         """Bytes per physical chunk."""
-        self.get()  # raises for an uninitialized wrapper
+        self.get()
         if self.c_packed:
             return self.c_packed.get().chunk_size()
         return self.c_virtual.get().chunk_size()
@@ -266,7 +171,7 @@ cdef class VirtualAllocator(Allocator):
     def small_threshold(self):
         """Requests of at most this many bytes are sub-allocated (0: none are); with packed
         placement, packed apart from larger ones."""
-        self.get()  # raises for an uninitialized wrapper
+        self.get()
         if self.c_packed:
             return self.c_packed.get().small_threshold()
         return self.c_virtual.get().small_threshold()
@@ -274,7 +179,7 @@ cdef class VirtualAllocator(Allocator):
     @property
     def reservation_size(self):
         """Virtual bytes per reservation (packed placement), or None (chunks placement)."""
-        self.get()  # raises for an uninitialized wrapper
+        self.get()
         if self.c_packed:
             return self.c_packed.get().reservation_size()
         return None
@@ -282,7 +187,7 @@ cdef class VirtualAllocator(Allocator):
     @property
     def steal_before_create(self):
         """Whether free mapped chunks are stolen before new ones are created on a miss."""
-        self.get()  # raises for an uninitialized wrapper
+        self.get()
         if self.c_packed:
             return self.c_packed.get().steal_before_create()
         return self.c_virtual.get().steal_before_create()
@@ -290,7 +195,7 @@ cdef class VirtualAllocator(Allocator):
     @property
     def remap_slack(self):
         """Packed placement's ``remap_slack`` (a float); ``None`` with chunks placement."""
-        self.get()  # raises for an uninitialized wrapper
+        self.get()
         if self.c_packed:
             return self.c_packed.get().remap_slack()
         return None
@@ -298,7 +203,7 @@ cdef class VirtualAllocator(Allocator):
     @property
     def budget(self):
         """The most bytes of chunks held at once, or None."""
-        self.get()  # raises for an uninitialized wrapper
+        self.get()
         cdef size_t b = (self.c_packed.get().budget() if self.c_packed
                          else self.c_virtual.get().budget())
         return None if b == 0 else b
@@ -320,9 +225,10 @@ cdef class VirtualAllocator(Allocator):
         Raises:
             vmalloc.InvalidArgumentError: with ``placement="chunks"``.
         """
-        self.get()  # raises for an uninitialized wrapper
+        self.get()
         if not self.c_packed:
-            raise_invalid('packed_stats() needs placement="packed"; use chunk_stats()')
+            raise InvalidArgumentError(
+                'packed_stats() needs placement="packed"; use chunk_stats()')
         cdef CPackedVirtualAllocator* packed = self.c_packed.get()
         cdef PackedStats s
         with nogil:
@@ -373,7 +279,7 @@ cdef class VirtualAllocator(Allocator):
         arenas (``chunks_in_arenas``, ``live_blocks``, ``free_blocks`` are 0). See
         :meth:`packed_stats`.
         """
-        self.get()  # raises for an uninitialized wrapper
+        self.get()
         cdef CPackedVirtualAllocator* packed = self.c_packed.get()
         cdef CVirtualAllocator* chunks = self.c_virtual.get()
         cdef ChunkStats s
@@ -414,10 +320,11 @@ cdef class VirtualAllocator(Allocator):
     # --- the swap primitives (chunks placement; see :doc:`swap_manager`) ---
 
     cdef CVirtualAllocator* chunks_only(self, what) except NULL:
-        self.get()  # RuntimeError for an uninitialised wrapper
+        self.get()
         if not self.c_virtual:
-            raise_invalid(f'{what} applies to placement="chunks" only: packed allocations '
-                          f'share chunks (the SwapManager relocates them)')
+            raise InvalidArgumentError(
+                f'{what} applies to placement="chunks" only: packed allocations share chunks '
+                f'(the SwapManager relocates them)')
         return self.c_virtual.get()
 
     def owns_chunks(self, ptr):
@@ -439,7 +346,7 @@ cdef class VirtualAllocator(Allocator):
         ``synchronize`` the host first waits for ``stream``'s work."""
         cdef CVirtualAllocator* a = self.chunks_only("unmap_backing")
         cdef uint64_t p = ptr
-        cdef uint64_t s = _stream(stream)
+        cdef uint64_t s = stream_handle(stream)
         cdef bool sync = True if synchronize else False
         with nogil:
             a.unmap_backing(p, s, sync)
@@ -449,155 +356,13 @@ cdef class VirtualAllocator(Allocator):
         undefined). Raises :class:`vmalloc.OutOfMemoryError` with nothing changed."""
         cdef CVirtualAllocator* a = self.chunks_only("map_backing")
         cdef uint64_t p = ptr
-        cdef uint64_t s = _stream(stream)
+        cdef uint64_t s = stream_handle(stream)
         with nogil:
             a.map_backing(p, s)
 
 
-def _stream(stream):
-    return stream_handle(stream)
-
-
-def raise_invalid(message):
-    from vmalloc.errors import InvalidArgumentError
-    raise InvalidArgumentError(message)
-
-
-cdef extern from "vmalloc/chunks/physical_chunk_pool.hpp" namespace "vmalloc" nogil:
-    cdef cppclass ChunkPoolStats:
-        size_t chunk_size
-        size_t budget_bytes
-        size_t chunks_held
-        size_t peak_chunks_held
-        size_t chunks_cached
-        size_t chunks_created
-        size_t chunks_released
-
-    cdef cppclass CPhysicalChunkPool "vmalloc::PhysicalChunkPool":
-        CPhysicalChunkPool(shared_ptr[CDevice] device, size_t chunk_size,
-                           size_t budget) except +vmalloc_raise_py_error
-        uint64_t acquire() except +vmalloc_raise_py_error
-        uint64_t take_cached() except +vmalloc_raise_py_error
-        uint64_t create() except +vmalloc_raise_py_error
-        void give_back(uint64_t chunk) except +vmalloc_raise_py_error
-        void release(uint64_t chunk) except +vmalloc_raise_py_error
-        size_t release_cached() except +vmalloc_raise_py_error
-        size_t creatable_chunks() except +vmalloc_raise_py_error
-        ChunkPoolStats stats() except +vmalloc_raise_py_error
-
-
-cdef class PhysicalChunkPool:
-    """Fixed-size physical chunks of a device and a cache of the unmapped ones.
-
-    The building block of :class:`vmalloc.VirtualAllocator`, exposed for tests and for users
-    who map chunks themselves. Chunks are ``cuMemCreate`` handles (ints) of exactly
-    ``chunk_size`` bytes; the pool releases every chunk it still holds when it goes.
-
-    Args:
-        device: the :class:`vmalloc.Device`.
-        chunk_size: a positive multiple of the device granularity.
-        budget: the most bytes of chunks held at once (at least one chunk), or ``None``.
-    """
-
-    cdef CPhysicalChunkPool* c_pool
-    cdef readonly Device device
-
-    def __init__(self, Device device not None, chunk_size="2MiB", budget=None):
-        if self.c_pool != NULL:
-            raise RuntimeError("PhysicalChunkPool is already initialized: __init__ cannot be "
-                               "called twice; create a new PhysicalChunkPool")
-        device.get()  # raises for an uninitialized device
-        cdef size_t mc = parse_size(chunk_size, "chunk_size")
-        cdef size_t b = 0 if budget is None else parse_size(budget, "budget")
-        if budget is not None and b == 0:
-            raise_invalid("budget must be positive (None for no budget), got 0")
-        cdef shared_ptr[CDevice] c_device = device.c_device
-        cdef CPhysicalChunkPool* pool
-        with nogil:
-            pool = new CPhysicalChunkPool(c_device, mc, b)
-        self.c_pool = pool
-        self.device = device
-
-    def __dealloc__(self):
-        cdef CPhysicalChunkPool* pool = self.c_pool
-        self.c_pool = NULL
-        with nogil:
-            del pool
-
-    cdef CPhysicalChunkPool* get(self) except NULL:
-        if self.c_pool == NULL:
-            raise RuntimeError("PhysicalChunkPool is not initialized (construct it with "
-                               "PhysicalChunkPool(...), not __new__)")
-        return self.c_pool
-
-    def acquire(self):
-        """A chunk handle: a cached chunk if any, else a new one. Raises
-        :class:`vmalloc.OutOfMemoryError` when the budget or the device is full."""
-        cdef CPhysicalChunkPool* pool = self.get()
-        cdef uint64_t chunk
-        with nogil:
-            chunk = pool.acquire()
-        return chunk
-
-    def take_cached(self):
-        """A cached chunk handle, or 0 when the cache is empty (never creates)."""
-        cdef CPhysicalChunkPool* pool = self.get()
-        cdef uint64_t chunk
-        with nogil:
-            chunk = pool.take_cached()
-        return chunk
-
-    def create(self):
-        """A new chunk handle (never from the cache)."""
-        cdef CPhysicalChunkPool* pool = self.get()
-        cdef uint64_t chunk
-        with nogil:
-            chunk = pool.create()
-        return chunk
-
-    def give_back(self, chunk):
-        """Returns an unmapped chunk to the cache."""
-        cdef CPhysicalChunkPool* pool = self.get()
-        cdef uint64_t c = chunk
-        with nogil:
-            pool.give_back(c)
-
-    def release(self, chunk):
-        """Releases a chunk held by the caller to the device."""
-        cdef CPhysicalChunkPool* pool = self.get()
-        cdef uint64_t c = chunk
-        with nogil:
-            pool.release(c)
-
-    def release_cached(self):
-        """Releases every cached chunk to the device; returns the bytes released."""
-        cdef CPhysicalChunkPool* pool = self.get()
-        cdef size_t n
-        with nogil:
-            n = pool.release_cached()
-        return n
-
-    def creatable_chunks(self):
-        """How many more chunks the budget and the device's capacity allow (an estimate)."""
-        cdef CPhysicalChunkPool* pool = self.get()
-        cdef size_t n
-        with nogil:
-            n = pool.creatable_chunks()
-        return n
-
-    def stats(self):
-        """A dict: ``chunk_size``, ``budget_bytes``, ``chunks_held``, ``peak_chunks_held``,
-        ``chunks_cached``, ``chunks_created``, ``chunks_released``."""
-        cdef CPhysicalChunkPool* pool = self.get()
-        cdef ChunkPoolStats s
-        with nogil:
-            s = pool.stats()
-        return {
-            "chunk_size": s.chunk_size,
-            "budget_bytes": s.budget_bytes,
-            "chunks_held": s.chunks_held,
-            "peak_chunks_held": s.peak_chunks_held,
-            "chunks_cached": s.chunks_cached,
-            "chunks_created": s.chunks_created,
-            "chunks_released": s.chunks_released,
-        }
+cdef bool _flag(value, what) except *:
+    # Only a real bool: a truthy string such as "false" must not turn the policy on.
+    if value is not True and value is not False:
+        raise TypeError(f"{what} must be a bool, got {value!r}")
+    return value

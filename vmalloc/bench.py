@@ -25,34 +25,23 @@ import timeit
 KiB = 1 << 10
 MiB = 1 << 20
 
-#: Allocator kinds by name: the vmalloc class each one needs and its options.
-ALLOCATORS = {
-    "virtual": ("VirtualAllocator", {}),
-    "caching": ("CachingAllocator", {}),
-    "virtual-packed": ("VirtualAllocator", {"placement": "packed"}),
-}
-#: The kinds measured when none is named.
+#: The kinds measured when none is named (any of :data:`vmalloc.allocator_kinds.NAMES` may be).
 DEFAULT_ALLOCATORS = ("virtual", "caching")
 
 
 def available_allocators(names=DEFAULT_ALLOCATORS):
     """Those of ``names`` whose class is built."""
-    import vmalloc
+    from vmalloc import allocator_kinds
 
-    return [name for name in names if hasattr(vmalloc, ALLOCATORS[name][0])]
+    return [name for name in names if allocator_kinds.get(name).available]
 
 
 def make_allocator(name, device, **options):
-    """A new allocator of kind ``name`` (a key of :data:`ALLOCATORS`) on ``device``."""
-    import vmalloc
+    """A new allocator of kind ``name`` (one of :data:`vmalloc.allocator_kinds.NAMES`) on
+    ``device``."""
+    from vmalloc import allocator_kinds
 
-    if name not in ALLOCATORS:
-        raise ValueError(f"unknown allocator {name!r}; known: {', '.join(ALLOCATORS)}")
-    cls_name, defaults = ALLOCATORS[name]
-    cls = getattr(vmalloc, cls_name, None)
-    if cls is None:
-        raise ValueError(f"allocator {name!r} (vmalloc.{cls_name}) is not built")
-    return cls(device, **{**defaults, **options})
+    return allocator_kinds.make(name, device, **options)
 
 
 def make_device(capacity=None):
@@ -167,16 +156,18 @@ def format_table(results):
     from vmalloc.sizes import format_size
 
     s = results["settings"]
+    # As wide as the longest kind's name ("expandable-segments"), so the columns line up.
+    w = max([14] + [len(r["allocator"]) for r in results["hit"] + results["pattern"]])
     lines = [f"cache hit: one allocate+deallocate pair ({s['pairs']:,} pairs in C++, "
              f"{s['python_pairs']:,} from Python; {s['device']})",
-             f"  {'allocator':<14} {'size':>10} {'C++ loop':>10} {'Python':>10}"]
+             f"  {'allocator':<{w}} {'size':>10} {'C++ loop':>10} {'Python':>10}"]
     for h in results["hit"]:
-        lines.append(f"  {h['allocator']:<14} {format_size(h['nbytes']):>10} "
+        lines.append(f"  {h['allocator']:<{w}} {format_size(h['nbytes']):>10} "
                      f"{_ns(h['cpp_ns_per_pair']):>10} {_ns(h['python_ns_per_pair']):>10}")
     lines.append("")
     lines.append(f"training-like pattern ({s['layers']} layers, {s['iterations']} iterations): "
                  "driver calls per iteration")
-    lines.append(f"  {'allocator':<14} {'iteration':<13} {'mm calls':>9} {'all calls':>10} "
+    lines.append(f"  {'allocator':<{w}} {'iteration':<13} {'mm calls':>9} {'all calls':>10} "
                  f"{'modeled driver time':>20}")
     for p in results["pattern"]:
         rows = p["iterations"]
@@ -187,7 +178,7 @@ def format_table(results):
                     for k in ("memory_management_calls", "driver_calls", "modeled_seconds")}
             shown.append((f"2-{len(rows)} (mean)", mean))
         for label, r in shown:
-            lines.append(f"  {p['allocator']:<14} {label:<13} "
+            lines.append(f"  {p['allocator']:<{w}} {label:<13} "
                          f"{r['memory_management_calls']:>9g} {r['driver_calls']:>10g} "
                          f"{r['modeled_seconds'] * 1e3:>17.3f} ms")
     return "\n".join(lines)
@@ -195,15 +186,18 @@ def format_table(results):
 
 def main(argv=None):
     """Command line: ``vmalloc bench [--allocator NAME ...] [--json] [--quick] ...``."""
+    from vmalloc import allocator_kinds
+    from vmalloc.sizes import size_list_argument
+
     parser = argparse.ArgumentParser(
         prog="vmalloc bench",
         description="Allocation benchmark: cache-hit cost per allocate+deallocate pair (C++ "
                     "loop and Python), and driver calls per iteration of a training-like "
                     "pattern, on an unbacked emulated device.")
-    parser.add_argument("--allocator", action="append", choices=sorted(ALLOCATORS),
-                        help="allocator to measure (repeatable; default: virtual and "
-                             "caching)")
-    parser.add_argument("--sizes", default="4KiB,3MiB",
+    parser.add_argument("--allocator", action="append", choices=allocator_kinds.NAMES,
+                        help="allocator to measure (repeatable; default: "
+                             f"{' and '.join(DEFAULT_ALLOCATORS)})")
+    parser.add_argument("--sizes", type=size_list_argument, default="4KiB,3MiB",
                         help="request sizes of the cache-hit measurement (default 4KiB,3MiB)")
     parser.add_argument("--pairs", type=int, default=1_000_000,
                         help="pairs timed in the C++ loop (default 1000000)")
@@ -217,15 +211,6 @@ def main(argv=None):
                         help="small counts (a smoke test; timings are rough)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
-
-    from vmalloc.sizes import parse_size
-
-    try:
-        sizes = [parse_size(s.strip(), "size") for s in args.sizes.split(",") if s.strip()]
-    except ValueError as e:
-        parser.error(str(e))
-    if not sizes or any(n == 0 for n in sizes):
-        parser.error("--sizes needs positive sizes")
     for flag in ("pairs", "python_pairs", "iterations", "layers"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
@@ -236,7 +221,7 @@ def main(argv=None):
     if not allocators:
         print("vmalloc bench: no allocator is built", file=sys.stderr)
         return 1
-    results = run(allocators, sizes, args.pairs, args.python_pairs, args.iterations,
+    results = run(allocators, args.sizes, args.pairs, args.python_pairs, args.iterations,
                   args.layers)
     print(json.dumps(results, indent=2) if args.json else format_table(results))
     if not os.environ.get("OPENBLAS_NUM_THREADS") and not args.json:

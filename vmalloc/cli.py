@@ -14,7 +14,9 @@ import json
 import os
 import sys
 
+from vmalloc import allocator_kinds
 from vmalloc.errors import VmallocError
+from vmalloc.sizes import size_argument
 
 __all__ = ["main"]
 
@@ -32,42 +34,28 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _size(text):
-    # argparse calls this; a bad size becomes argparse's own one-line usage error (exit 2).
-    from vmalloc.sizes import parse_size
-
-    try:
-        return parse_size(text)
-    except VmallocError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
 def _allocator_names(text):
-    from vmalloc.replay import ALLOCATOR_NAMES
-
     names = [n.strip() for n in text.split(",") if n.strip()]
     for n in names:
-        if n not in ALLOCATOR_NAMES:
+        if n not in allocator_kinds.NAMES:
             raise argparse.ArgumentTypeError(
-                f"unknown allocator {n!r}; choose from {', '.join(ALLOCATOR_NAMES)}")
+                f"unknown allocator {n!r}; choose from {', '.join(allocator_kinds.NAMES)}")
     return names
 
 
 def _add_run_options(p):
-    from vmalloc.replay import ALLOCATOR_KINDS, ALLOCATOR_NAMES
-
     p.add_argument("--allocator", "-a", dest="allocators", action="append",
-                   type=_allocator_names, metavar="{" + ",".join(ALLOCATOR_NAMES) + "}",
+                   type=_allocator_names, metavar="{" + ",".join(allocator_kinds.NAMES) + "}",
                    help="allocator to replay through; repeat (or separate with commas) for "
-                        f"several; default: all of {', '.join(ALLOCATOR_KINDS)}")
-    p.add_argument("--capacity", type=_size, metavar="SIZE",
+                        f"several; default: all of {', '.join(allocator_kinds.NAMES)}")
+    p.add_argument("--capacity", type=size_argument, metavar="SIZE",
                    help="device capacity such as 16GiB; a run stops at its first "
                         "out-of-memory and reports the event (default: unlimited)")
-    p.add_argument("--granularity", type=_size, metavar="SIZE",
+    p.add_argument("--granularity", type=size_argument, metavar="SIZE",
                    help="device allocation granularity (default 2MiB, as current GPUs)")
-    p.add_argument("--chunk-size", type=_size, metavar="SIZE",
+    p.add_argument("--chunk-size", type=size_argument, metavar="SIZE",
                    help="physical chunk size of the virtual allocator")
-    p.add_argument("--max-split-size", type=_size, metavar="SIZE",
+    p.add_argument("--max-split-size", type=size_argument, metavar="SIZE",
                    help="the caching allocator's max_split_size (as PyTorch's)")
     p.add_argument("--policy", choices=("pytorch", "nnabla", "cupy"),
                    help="the caching allocator's policy preset (default pytorch)")
@@ -90,12 +78,6 @@ def _add_run_options(p):
                         "(default 32)")
 
 
-def _kinds():
-    from vmalloc.replay import ALLOCATOR_KINDS
-
-    return ALLOCATOR_KINDS
-
-
 def _parser():
     parser = _Parser(
         prog="vmalloc",
@@ -112,7 +94,7 @@ def _parser():
         "replay", help="replay allocator traces through the allocators",
         description="Replay allocator traces (PyTorch memory snapshots and profiler traces, "
                     "RMM logs, .vmtrace) through each allocator ("
-                    + ", ".join(_kinds()) + ") on an emulated device. "
+                    + ", ".join(allocator_kinds.NAMES) + ") on an emulated device. "
                     "With no TRACE, the traces shipped with vmalloc.")
     p.add_argument("traces", nargs="*", metavar="TRACE",
                    help="trace files, or directories of them (the ranks of one job: replayed "
@@ -137,7 +119,7 @@ def _parser():
         "stress", help="replay generated patterns that break best-fit caching",
         description="Replay generated allocation patterns (the out-of-core swap pattern, "
                     "growing sizes, random sizes with long-lived survivors) through each "
-                    "allocator (" + ", ".join(_kinds()) + "). With no PATTERN, all of them.")
+                    "allocator (" + ", ".join(allocator_kinds.NAMES) + "). With no PATTERN, all of them.")
     p.add_argument("patterns", nargs="*", metavar="PATTERN",
                    help=f"one of: {', '.join(PATTERNS)}")
     p.add_argument("--seed", type=int, default=0, help="random seed of the patterns (0)")
@@ -217,9 +199,9 @@ def _check_outputs(args):
 
 def _run(sources, args):
     """Replays each (source, name) through the chosen allocators; returns the results."""
-    from vmalloc.replay import ALLOCATOR_KINDS, MAX_PROBES, replay
+    from vmalloc.replay import MAX_PROBES, replay
 
-    allocators = _flatten(args.allocators) or list(ALLOCATOR_KINDS)
+    allocators = _flatten(args.allocators) or list(allocator_kinds.NAMES)
     max_probes = MAX_PROBES if args.max_probes is None else args.max_probes
     if max_probes < 1:
         raise _CliError(f"--max-probes must be at least 1, got {max_probes}")

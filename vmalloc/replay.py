@@ -21,9 +21,10 @@ from typing import Optional
 
 import numpy as np
 
+from vmalloc import allocator_kinds
 from vmalloc._replay import Replay
 from vmalloc.errors import InvalidArgumentError
-from vmalloc.sizes import format_size, parse_size
+from vmalloc.sizes import format_size, parse_optional_size, parse_size
 from vmalloc.stats import Stats
 from vmalloc.traces.events import BATCH_EVENTS, EVENT_DTYPE
 
@@ -43,12 +44,11 @@ __all__ = [
     "replay_once",
 ]
 
-#: The allocator kinds :func:`replay` compares by default: the caching baseline, the same with
-#: PyTorch's expandable segments (``"expandable-segments"`` is :class:`vmalloc.CachingAllocator`
-#: with ``expandable_segments=True``), the virtual allocator with the paper's chunk placement,
-#: and with packed placement (``"virtual-packed"`` is :class:`vmalloc.VirtualAllocator` with
-#: ``placement="packed"``).
-ALLOCATOR_KINDS = ("caching", "expandable-segments", "virtual", "virtual-packed")
+#: The allocator kinds :func:`replay` compares by default: every one of
+#: :data:`vmalloc.allocator_kinds.KINDS` (the caching baseline, the same with PyTorch's
+#: expandable segments, the virtual allocator with the paper's chunk placement, and with
+#: packed placement).
+ALLOCATOR_KINDS = allocator_kinds.NAMES
 
 #: Every allocator name :func:`replay` builds.
 ALLOCATOR_NAMES = ALLOCATOR_KINDS
@@ -300,50 +300,30 @@ def make_allocator(kind, device, chunk_size=None, max_split_size=None, policy=No
                    steal_before_create=None, remap_slack=None):
     """Builds the allocator ``kind`` on ``device``.
 
-    ``kind`` is ``"caching"`` (:class:`vmalloc.CachingAllocator`, which takes
-    ``max_split_size`` and ``policy``), ``"expandable-segments"`` (the same with
-    ``expandable_segments=True``, PyTorch's ``expandable_segments:True``), ``"virtual"`` (:class:`vmalloc.VirtualAllocator`,
-    which takes ``chunk_size`` and ``steal_before_create``), ``"virtual-packed"`` (the same
-    with ``placement="packed"``, which also takes ``remap_slack``),
-    or a callable ``kind(device) -> Allocator`` for anything
-    else. Options that do not apply to the kind are ignored, so that one set of options
-    serves a comparison.
+    ``kind`` is the name of one of :data:`vmalloc.allocator_kinds.KINDS`: ``"caching"``
+    (:class:`vmalloc.CachingAllocator`, which takes ``max_split_size`` and ``policy``),
+    ``"expandable-segments"`` (the same with ``expandable_segments=True``, PyTorch's
+    ``expandable_segments:True``), ``"virtual"`` (:class:`vmalloc.VirtualAllocator`, which
+    takes ``chunk_size`` and ``steal_before_create``), ``"virtual-packed"`` (the same with
+    ``placement="packed"``, which also takes ``remap_slack``); or a callable
+    ``kind(device) -> Allocator`` for anything else. Options that do not apply to the kind are
+    ignored, so that one set of options serves a comparison.
     """
-    import vmalloc
-
     if callable(kind):
         return kind(device)
-    options = _options(kind, chunk_size, max_split_size, policy, steal_before_create,
-                       remap_slack)
-    if kind in ("virtual", "virtual-packed"):
-        if kind == "virtual-packed":
-            options["placement"] = "packed"
-        return vmalloc.VirtualAllocator(device, **options)
-    if kind == "caching":
-        return vmalloc.CachingAllocator(device, **options)
-    if kind == "expandable-segments":
-        return vmalloc.CachingAllocator(device, expandable_segments=True, **options)
-    raise InvalidArgumentError(
-        f"unknown allocator {kind!r}; choose from {', '.join(ALLOCATOR_NAMES)}")
+    return allocator_kinds.make(kind, device, **_options(
+        kind, chunk_size, max_split_size, policy, steal_before_create, remap_slack))
 
 
 def _options(kind, chunk_size, max_split_size, policy, steal_before_create=None,
              remap_slack=None):
-    """The allocator options that apply to ``kind``, parsed."""
-    options = {}
-    if kind in ("virtual", "virtual-packed"):
-        if chunk_size is not None:
-            options["chunk_size"] = parse_size(chunk_size, "chunk_size")
-        if steal_before_create is not None:
-            options["steal_before_create"] = bool(steal_before_create)
-        if remap_slack is not None and kind == "virtual-packed":
-            options["remap_slack"] = float(remap_slack)
-    if kind in ("caching", "expandable-segments"):
-        if max_split_size is not None:
-            options["max_split_size"] = parse_size(max_split_size, "max_split_size")
-        if policy is not None and kind == "caching":
-            options["policy"] = policy
-    return options
+    """The allocator options that apply to the kind named ``kind`` (None: an allocator built
+    by a callable, which takes none), parsed."""
+    if kind is None:
+        return {}
+    return allocator_kinds.get(kind).applicable(
+        chunk_size=chunk_size, max_split_size=max_split_size, policy=policy,
+        steal_before_create=steal_before_create, remap_slack=remap_slack)
 
 
 def _make_device(capacity, granularity):
@@ -504,9 +484,7 @@ def replay_once(trace, allocator="virtual", *, capacity=None, granularity=None, 
     """
     source = _source(trace, format=format, device=device, before_window=before_window,
                      name=name)
-    capacity = parse_size(capacity, "capacity", allow_none=True)
-    if capacity == 0:
-        raise InvalidArgumentError("capacity must be positive, or None for unlimited")
+    capacity = parse_optional_size(capacity, "capacity", "unlimited") or None
     granularity = parse_size(granularity, "granularity", allow_none=True)
     kind_name = allocator if isinstance(allocator, str) else None
     options = _options(kind_name, chunk_size, max_split_size, policy, steal_before_create,

@@ -60,6 +60,46 @@ def parse_size(value, what="size", allow_none=False):
     return n
 
 
+def parse_optional_size(value, what, none_means):
+    """``value`` in bytes, which must be positive, or 0 for ``None``: the C++ options' "not
+    set" (the default, or no limit; ``none_means`` says which, for the message).
+
+    Raises InvalidArgumentError for 0 (which would silently mean "not set") and for anything
+    :func:`parse_size` refuses.
+    """
+    if value is None:
+        return 0
+    n = parse_size(value, what)
+    if n == 0:
+        raise InvalidArgumentError(f"{what} must be positive (None for {none_means}), got 0")
+    return n
+
+
+def size_argument(text):
+    """:func:`parse_size` as an argparse ``type=``: a bad size becomes argparse's one-line
+    usage error."""
+    import argparse
+
+    try:
+        return parse_size(text)
+    except InvalidArgumentError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def size_list_argument(text):
+    """A comma-separated list of positive sizes (``"4KiB,3MiB"``) as an argparse ``type=``."""
+    import argparse
+
+    try:
+        sizes = [parse_size(part.strip(), "size") for part in text.split(",") if part.strip()]
+    except InvalidArgumentError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if not sizes or 0 in sizes:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of positive sizes such as "
+                                         "'4KiB,3MiB'")
+    return sizes
+
+
 def format_size(nbytes):
     """``2097152`` -> ``"2.00 MiB"``; for tables and messages."""
     value = float(nbytes)

@@ -531,7 +531,7 @@ def test_a_copy_queued_before_its_range_is_unmapped_faults_cleanly():
     dev.destroy_stream(s)
 
 
-def test_a_logging_adaptor_relocates_and_lists_its_allocations(tmp_path):
+def test_a_logging_allocator_relocates_and_lists_its_allocations(tmp_path):
     dev = vmalloc.HostDevice(capacity="64MiB")
     with vmalloc.LoggingAllocator(vmalloc.VirtualAllocator(dev), tmp_path / "t.vmtrace") as log:
         swap = offload.SwapManager(log)

@@ -10,10 +10,19 @@ from libcpp.memory cimport shared_ptr
 from libcpp.pair cimport pair
 from libcpp.vector cimport vector
 
+from vmalloc._allocator cimport Allocator
 from vmalloc._device cimport stream_handle
+from vmalloc._init_once cimport refuse_second_init
+from vmalloc._lib.alloc.allocator cimport CAllocator
+from vmalloc._lib.offload.swap_manager cimport (
+    CSwapManager,
+    CSwapManagerOptions,
+    CSwapState,
+    CSwapStats,
+    swap_state_name,
+)
 
-from vmalloc.errors import InvalidArgumentError
-from vmalloc.sizes import parse_size
+from vmalloc.sizes import parse_optional_size, parse_size
 
 
 cdef uintptr_t _pointer(object ptr) except? 0:
@@ -41,11 +50,8 @@ cdef class SwapManager:
 
     def __cinit__(self, Allocator allocator not None, host_capacity=None):
         cdef CSwapManagerOptions options
-        options.host_capacity = (0 if host_capacity is None
-                                 else parse_size(host_capacity, "host_capacity"))
-        if host_capacity is not None and options.host_capacity == 0:
-            raise InvalidArgumentError("host_capacity must be positive (None for no limit), got 0")
-        allocator.get()  # raises for an uninitialized allocator
+        options.host_capacity = parse_optional_size(host_capacity, "host_capacity", "no limit")
+        allocator.get()  # raises for an allocator wrapper that holds none
         cdef shared_ptr[CAllocator] a = allocator.c_allocator
         cdef CSwapManager* m
         with nogil:
@@ -53,12 +59,16 @@ cdef class SwapManager:
         self.c_manager.reset(m)
         self.allocator = allocator
 
+    def __init__(self, Allocator allocator not None, host_capacity=None):
+        refuse_second_init(self, &self.init_called)
+
     def __dealloc__(self):
         # The destructor waits for the device (copies in flight): without the GIL.
         with nogil:
             self.c_manager.reset()
 
     cdef CSwapManager* get(self) except NULL:
+        # Unreachable from Python (__cinit__ builds the manager or raises): a guard for C code.
         if not self.c_manager:
             raise RuntimeError("SwapManager is not initialized")
         return self.c_manager.get()

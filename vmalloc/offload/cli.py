@@ -19,6 +19,8 @@ import json
 import os
 import sys
 
+from vmalloc.sizes import size_argument
+
 __all__ = ["add_parser", "run", "table", "PAPER_TABLE1", "TABLE_BATCHES"]
 
 #: The paper's Table 1 (ResNet-50, V100 16 GB): batch -> (in-core, schedule + VA) images/s.
@@ -30,16 +32,6 @@ TABLE_BATCHES = tuple(PAPER_TABLE1)
 
 class OffloadCliError(Exception):
     """A user error phrased for the command line."""
-
-
-def _size(text):
-    from vmalloc.errors import VmallocError
-    from vmalloc.sizes import parse_size
-
-    try:
-        return parse_size(text)
-    except VmallocError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def add_parser(sub):
@@ -64,11 +56,11 @@ def add_parser(sub):
     s.add_argument("--gpu", default="v100-16gb", help="vmalloc offload gpus lists them")
     s.add_argument("--scheduler", choices=SCHEDULERS, default="window")
     s.add_argument("--allocator", choices=ALLOCATORS, default="virtual")
-    s.add_argument("--budget", type=_size, metavar="SIZE",
+    s.add_argument("--budget", type=size_argument, metavar="SIZE",
                    help="the window scheduler's budget (default: tuned by simulation)")
-    s.add_argument("--window", type=_size, metavar="SIZE",
+    s.add_argument("--window", type=size_argument, metavar="SIZE",
                    help="the window scheduler's window (default: tuned by simulation)")
-    s.add_argument("--chunk-size", type=_size, metavar="SIZE",
+    s.add_argument("--chunk-size", type=size_argument, metavar="SIZE",
                    help="the virtual allocator's chunk (default 2MiB; the paper used 40MB)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--plot", metavar="FILE.png", help="write a timeline PNG")

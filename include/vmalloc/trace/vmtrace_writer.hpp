@@ -4,7 +4,7 @@
 //
 // Records are buffered and written in large blocks; the event count goes into the header on
 // close(), so a file cut short by a crash still reads (its count stays "unknown"). Not
-// thread-safe: the owner serializes calls (LoggingAdaptor holds its mutex).
+// thread-safe: the owner serializes calls (LoggingAllocator holds its mutex).
 #pragma once
 
 #include <cstdint>

@@ -1,9 +1,9 @@
-// LoggingAdaptor: wraps any Allocator, forwards every call, and records each allocation and
+// LoggingAllocator: wraps any Allocator, forwards every call, and records each allocation and
 // free to a .vmtrace file (RMM's logging_resource_adaptor is the model), so any job that
 // allocates through vmalloc — directly, or as PyTorch's or CuPy's allocator through the C
 // ABI — leaves a trace that `vmalloc replay` replays against other allocators.
 //
-// The trace is written consistent (see VmtraceWriter): the adaptor remembers each live
+// The trace is written consistent (see VmtraceWriter): the logging allocator remembers each live
 // allocation's size, records a FREE with that size, and leaves out frees of pointers that were
 // allocated before it was wrapped around the allocator (counted in unrecorded_frees()).
 //
@@ -24,13 +24,13 @@
 
 namespace vmalloc {
 
-class LoggingAdaptor final : public Allocator {
+class LoggingAllocator final : public Allocator {
  public:
   // Creates (truncates) the trace file at `path`. Throws InvalidArgument for a null upstream
   // or a path that cannot be created.
-  LoggingAdaptor(std::shared_ptr<Allocator> upstream, const std::string& path);
+  LoggingAllocator(std::shared_ptr<Allocator> upstream, const std::string& path);
   // Closes the trace (a write failure at this point is lost: call close() to see it).
-  ~LoggingAdaptor() override;
+  ~LoggingAllocator() override;
 
   // Forwards; records ALLOC when memory was returned. After close() throws Error: a closed
   // log cannot record the allocation.
@@ -55,7 +55,7 @@ class LoggingAdaptor final : public Allocator {
 
   bool closed() const;
   std::uint64_t events_written() const;
-  // Frees of pointers the adaptor never saw allocated (made before it was installed).
+  // Frees of pointers the logging allocator never saw allocated (made before it was installed).
   std::uint64_t unrecorded_frees() const;
   // Allocations that failed upstream (out of memory ...): not in the trace.
   std::uint64_t failed_allocations() const;

@@ -8,20 +8,10 @@ from libcpp cimport bool
 from libcpp.memory cimport shared_ptr, static_pointer_cast
 from libcpp.string cimport string
 
-from vmalloc._allocator cimport Allocator, CAllocator
-from vmalloc._device cimport vmalloc_raise_py_error
-
-
-cdef extern from "vmalloc/trace/logging_adaptor.hpp" namespace "vmalloc" nogil:
-    cdef cppclass CLoggingAdaptor "vmalloc::LoggingAdaptor"(CAllocator):
-        CLoggingAdaptor(shared_ptr[CAllocator] upstream,
-                        const string& path) except +vmalloc_raise_py_error
-        void flush() except +vmalloc_raise_py_error
-        void close() except +vmalloc_raise_py_error
-        bool closed()
-        uint64_t events_written()
-        uint64_t unrecorded_frees()
-        uint64_t failed_allocations()
+from vmalloc._allocator cimport Allocator
+from vmalloc._init_once cimport refuse_second_init
+from vmalloc._lib.alloc.allocator cimport CAllocator
+from vmalloc._lib.trace.logging_allocator cimport CLoggingAllocator
 
 
 cdef class LoggingAllocator(Allocator):
@@ -42,81 +32,74 @@ cdef class LoggingAllocator(Allocator):
         trace = vmalloc.traces.open_trace("job.vmtrace")
     """
 
-    cdef CLoggingAdaptor* logging
-    cdef readonly Allocator upstream
-    cdef readonly str path
-
-    def __init__(self, Allocator allocator not None, path):
-        if self.c_allocator:
-            raise RuntimeError("LoggingAllocator is already initialized: __init__ cannot be "
-                               "called twice; create a new LoggingAllocator")
+    def __cinit__(self, Allocator allocator not None, path):
+        allocator.get()  # raises for an allocator wrapper that holds none
         cdef string c_path = os.fsencode(path)
-        if not allocator.c_allocator:
-            raise ValueError("the allocator to wrap is not initialized")
         cdef shared_ptr[CAllocator] upstream = allocator.c_allocator
-        cdef shared_ptr[CLoggingAdaptor] adaptor
+        cdef shared_ptr[CLoggingAllocator] created
         with nogil:
-            adaptor = shared_ptr[CLoggingAdaptor](new CLoggingAdaptor(upstream, c_path))
-        self.logging = adaptor.get()
-        self.c_allocator = static_pointer_cast[CAllocator, CLoggingAdaptor](adaptor)
+            created = shared_ptr[CLoggingAllocator](new CLoggingAllocator(upstream, c_path))
+        self.c_logging = created.get()
+        self.c_allocator = static_pointer_cast[CAllocator, CLoggingAllocator](created)
         self.device = allocator.device
         self.upstream = allocator
         self.path = os.fsdecode(path)
 
+    def __init__(self, Allocator allocator not None, path):
+        refuse_second_init(self, &self.init_called)
+
+    cdef CLoggingAllocator* logger(self) except NULL:
+        self.get()  # raises for a Python subclass that holds no allocator
+        return self.c_logging
+
     def flush(self):
         """Writes buffered records to the file. Raises :class:`vmalloc.VmallocError` if a
         write failed (recording stops at the first failure; allocations go on)."""
-        self.get()
-        cdef CLoggingAdaptor* adaptor = self.logging
+        cdef CLoggingAllocator* log = self.logger()
         with nogil:
-            adaptor.flush()
+            log.flush()
 
     def close(self):
         """Completes the trace file. Afterwards :meth:`allocate` raises and
         :meth:`deallocate` still gives memory back, unrecorded. Idempotent."""
-        self.get()
-        cdef CLoggingAdaptor* adaptor = self.logging
+        cdef CLoggingAllocator* log = self.logger()
         with nogil:
-            adaptor.close()
+            log.close()
 
     @property
     def closed(self):
         """True once :meth:`close` was called."""
-        self.get()
-        cdef CLoggingAdaptor* adaptor = self.logging
+        cdef CLoggingAllocator* log = self.logger()
         cdef bool value
         with nogil:
-            value = adaptor.closed()
+            value = log.closed()
         return value
 
     @property
     def events_written(self):
         """Events recorded so far (buffered ones included)."""
-        self.get()
-        cdef CLoggingAdaptor* adaptor = self.logging
+        cdef CLoggingAllocator* log = self.logger()
         cdef uint64_t value
         with nogil:
-            value = adaptor.events_written()
+            value = log.events_written()
         return value
 
     @property
     def unrecorded_frees(self):
         """Frees of pointers allocated before the wrapping (forwarded, not recorded)."""
-        self.get()
-        cdef CLoggingAdaptor* adaptor = self.logging
+        cdef CLoggingAllocator* log = self.logger()
         cdef uint64_t value
         with nogil:
-            value = adaptor.unrecorded_frees()
+            value = log.unrecorded_frees()
         return value
 
     @property
     def failed_allocations(self):
         """Allocations the wrapped allocator refused (not in the trace)."""
-        self.get()
-        cdef CLoggingAdaptor* adaptor = self.logging
+        cdef CLoggingAllocator* log = self.logger()
         cdef uint64_t value
         with nogil:
-            value = adaptor.failed_allocations()
+            value = log.failed_allocations()
         return value
 
     def __enter__(self):

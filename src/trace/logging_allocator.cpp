@@ -1,4 +1,4 @@
-#include "vmalloc/trace/logging_adaptor.hpp"
+#include "vmalloc/trace/logging_allocator.hpp"
 
 #include <cstdio>
 #include <utility>
@@ -28,24 +28,24 @@ std::string json_string(const std::string& text) {
 }
 
 const std::shared_ptr<Allocator>& checked(const std::shared_ptr<Allocator>& upstream) {
-  if (!upstream) throw InvalidArgument("LoggingAdaptor: the upstream allocator is null");
+  if (!upstream) throw InvalidArgument("LoggingAllocator: the upstream allocator is null");
   return upstream;
 }
 
 std::string metadata_of(const Allocator& upstream) {
   std::string device = upstream.device() ? upstream.device()->name() : std::string("unknown");
-  return "{\"created_by\": \"vmalloc::LoggingAdaptor\", \"allocator\": " +
+  return "{\"created_by\": \"vmalloc::LoggingAllocator\", \"allocator\": " +
          json_string(upstream.name()) + ", \"device\": " + json_string(device) + "}";
 }
 
 }  // namespace
 
-LoggingAdaptor::LoggingAdaptor(std::shared_ptr<Allocator> upstream, const std::string& path)
+LoggingAllocator::LoggingAllocator(std::shared_ptr<Allocator> upstream, const std::string& path)
     : upstream_(checked(upstream)),
       path_(path),
       writer_(path, /*consistent=*/true, metadata_of(*upstream)) {}
 
-LoggingAdaptor::~LoggingAdaptor() {
+LoggingAllocator::~LoggingAllocator() {
   try {
     close();
   } catch (...) {
@@ -53,7 +53,7 @@ LoggingAdaptor::~LoggingAdaptor() {
   }
 }
 
-void LoggingAdaptor::record(std::uint8_t op, stream_t stream, device_ptr ptr, std::size_t size) {
+void LoggingAllocator::record(std::uint8_t op, stream_t stream, device_ptr ptr, std::size_t size) {
   if (!write_error_.empty()) return;  // a trace with a hole would replay wrongly: stop
   try {
     writer_.append(op, stream, ptr, size);
@@ -75,16 +75,16 @@ void LoggingAdaptor::record(std::uint8_t op, stream_t stream, device_ptr ptr, st
   }
 }
 
-void LoggingAdaptor::throw_if_failed() const {
+void LoggingAllocator::throw_if_failed() const {
   if (!write_error_.empty()) {
-    throw Error("LoggingAdaptor stopped recording " + path_ + ": " + write_error_);
+    throw Error("LoggingAllocator stopped recording " + path_ + ": " + write_error_);
   }
 }
 
-device_ptr LoggingAdaptor::allocate(std::size_t nbytes, stream_t stream) {
+device_ptr LoggingAllocator::allocate(std::size_t nbytes, stream_t stream) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (closed_) {
-    throw Error("LoggingAdaptor: the trace " + path_ + " is closed; allocate through the "
+    throw Error("LoggingAllocator: the trace " + path_ + " is closed; allocate through the "
                 "upstream allocator instead");
   }
   device_ptr ptr = 0;
@@ -112,7 +112,7 @@ device_ptr LoggingAdaptor::allocate(std::size_t nbytes, stream_t stream) {
   return ptr;
 }
 
-void LoggingAdaptor::deallocate(device_ptr ptr, std::size_t nbytes, stream_t stream) {
+void LoggingAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t stream) {
   std::lock_guard<std::mutex> lock(mutex_);
   upstream_->deallocate(ptr, nbytes, stream);  // throws with nothing changed, nothing recorded
   if (ptr == 0 || closed_) return;
@@ -126,25 +126,25 @@ void LoggingAdaptor::deallocate(device_ptr ptr, std::size_t nbytes, stream_t str
   record(VmtraceWriter::op_free, stream, ptr, size);
 }
 
-std::size_t LoggingAdaptor::release_cached() { return upstream_->release_cached(); }
+std::size_t LoggingAllocator::release_cached() { return upstream_->release_cached(); }
 
-Stats LoggingAdaptor::stats() const { return upstream_->stats(); }
+Stats LoggingAllocator::stats() const { return upstream_->stats(); }
 
-void LoggingAdaptor::reset_peak_stats() { upstream_->reset_peak_stats(); }
+void LoggingAllocator::reset_peak_stats() { upstream_->reset_peak_stats(); }
 
-std::vector<std::pair<device_ptr, std::size_t>> LoggingAdaptor::live_allocations() const {
+std::vector<std::pair<device_ptr, std::size_t>> LoggingAllocator::live_allocations() const {
   return upstream_->live_allocations();
 }
 
-std::size_t LoggingAdaptor::allocation_size(device_ptr ptr) const {
+std::size_t LoggingAllocator::allocation_size(device_ptr ptr) const {
   return upstream_->allocation_size(ptr);
 }
 
-std::string LoggingAdaptor::name() const { return "logging:" + upstream_->name(); }
+std::string LoggingAllocator::name() const { return "logging:" + upstream_->name(); }
 
-const std::shared_ptr<Device>& LoggingAdaptor::device() const { return upstream_->device(); }
+const std::shared_ptr<Device>& LoggingAllocator::device() const { return upstream_->device(); }
 
-void LoggingAdaptor::flush() {
+void LoggingAllocator::flush() {
   std::lock_guard<std::mutex> lock(mutex_);
   throw_if_failed();
   try {
@@ -155,7 +155,7 @@ void LoggingAdaptor::flush() {
   }
 }
 
-void LoggingAdaptor::close() {
+void LoggingAllocator::close() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (closed_) return;
   closed_ = true;
@@ -168,22 +168,22 @@ void LoggingAdaptor::close() {
   throw_if_failed();
 }
 
-bool LoggingAdaptor::closed() const {
+bool LoggingAllocator::closed() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return closed_;
 }
 
-std::uint64_t LoggingAdaptor::events_written() const {
+std::uint64_t LoggingAllocator::events_written() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return writer_.events();
 }
 
-std::uint64_t LoggingAdaptor::unrecorded_frees() const {
+std::uint64_t LoggingAllocator::unrecorded_frees() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return unrecorded_frees_;
 }
 
-std::uint64_t LoggingAdaptor::failed_allocations() const {
+std::uint64_t LoggingAllocator::failed_allocations() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return failed_allocations_;
 }
