@@ -1,4 +1,4 @@
-"""The allocator protocol, checked on every allocator kind over every device kind.
+"""The allocator protocol, checked on every allocator kind and adaptor over every device kind.
 
 Only what every vmalloc allocator promises is tested here (allocator.hpp, vmalloc.Allocator):
 live allocations never overlap and keep their bytes, the Stats identities hold after every
@@ -9,6 +9,7 @@ Policy details (chunks, segments, rounding) belong to each allocator's own suite
 
 import bisect
 import ctypes
+import itertools
 import random
 import threading
 
@@ -23,6 +24,7 @@ from hypothesis.stateful import (
 )
 
 import vmalloc
+import vmalloc.allocator_kinds
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -75,6 +77,30 @@ def pick(data, items):
     no sampled_from over live pointers), or hypothesis reports FlakyStrategyDefinition."""
     i = data.draw(st.integers(0, (1 << 16) - 1), label="index")
     return items[i % len(items)] if items else None
+
+
+#: The adaptors, each run through the whole suite over one upstream kind, as RMM runs its
+#: adaptors through its typed suites: an adaptor keeps every promise of the allocator it wraps.
+ADAPTORS = {"logging": ("virtual", lambda upstream, path: vmalloc.LoggingAllocator(upstream, path))}
+
+
+@pytest.fixture(params=[*vmalloc.allocator_kinds.NAMES, *ADAPTORS])
+def make_allocator(request, tmp_path):
+    """Every allocator kind, then every adaptor over its upstream kind (overrides conftest's
+    fixture for this suite only)."""
+    if request.param not in ADAPTORS:
+        kind = vmalloc.allocator_kinds.get(request.param)
+        if not kind.available:
+            pytest.skip(f"vmalloc.{kind.class_name} is not built")
+        return kind.make
+    upstream_kind, adaptor = ADAPTORS[request.param]
+    logs = itertools.count()
+
+    def make(device, **options):
+        upstream = vmalloc.allocator_kinds.make(upstream_kind, device, **options)
+        return adaptor(upstream, tmp_path / f"{request.param}-{next(logs)}.vmtrace")
+
+    return make
 
 
 #: Rule executions of the state machine so far, by device name (read by the test below).
