@@ -14,7 +14,6 @@ prints them).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -78,7 +77,7 @@ def add_parser(sub):
                                       "device, under half its in-core memory")
     r.add_argument("--network", choices=("mlp", "cnn"), default="mlp")
     r.add_argument("--steps", type=int, default=4)
-    r.add_argument("--allocator", choices=("virtual", "packed", "caching"), default="virtual")
+    r.add_argument("--allocator", choices=ALLOCATORS, default="virtual")
     r.add_argument("--fraction", type=float, default=0.5,
                    help="device capacity as a fraction of the in-core peak (default 0.5)")
     r.add_argument("--json", action="store_true", help="print one JSON object")

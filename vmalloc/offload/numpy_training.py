@@ -320,8 +320,6 @@ CONFIGS = {
                 lr=0.01),
 }
 
-_ALLOCATORS = ("virtual", "packed", "caching")
-
 
 def compare(network="mlp", steps=4, fraction=0.5, allocator="virtual") -> dict:
     """Trains ``network`` in core, then out of core on a device of ``fraction`` of the in-core
@@ -330,19 +328,18 @@ def compare(network="mlp", steps=4, fraction=0.5, allocator="virtual") -> dict:
     import time
 
     import vmalloc
+    from vmalloc import allocator_kinds
     from vmalloc.offload.runtime import Runtime
 
     if network not in CONFIGS:
         raise ValueError(f"network must be one of {', '.join(CONFIGS)}, got {network!r}")
-    if allocator not in _ALLOCATORS:
-        raise ValueError(f"allocator must be one of {', '.join(_ALLOCATORS)}, got {allocator!r}")
+    kind = allocator_kinds.get(allocator)  # InvalidArgumentError naming the kinds
     config = CONFIGS[network]
 
     def make(capacity, scheduler):
         dev = vmalloc.HostDevice(capacity=capacity, granularity="2MiB")
-        alloc = {"virtual": lambda: vmalloc.VirtualAllocator(dev, chunk_size="2MiB"),
-                 "packed": lambda: vmalloc.VirtualAllocator(dev, placement="packed"),
-                 "caching": lambda: vmalloc.CachingAllocator(dev)}[allocator]()
+        # 2 MiB chunks for the virtual kinds: the small networks' tensors are a few MiB.
+        alloc = kind.make(dev, **kind.applicable(chunk_size="2MiB"))
         return Runtime(alloc, scheduler=scheduler)
 
     rt_in = make("4GiB", "none")

@@ -41,13 +41,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
 import vmalloc
+from vmalloc import allocator_kinds
 from vmalloc.errors import InvalidArgumentError
 from vmalloc.offload.gpus import get_gpu
 from vmalloc.sizes import parse_size
 
 __all__ = ["simulate", "SimulationResult", "ALLOCATORS", "in_core_seconds", "function_seconds"]
 
-ALLOCATORS = ("virtual", "caching", "virtual-packed")
+#: The allocator kinds a simulation can run on: the package's one list (vmalloc.allocator_kinds).
+ALLOCATORS = allocator_kinds.NAMES
 DEFAULT_CHUNK = 2 << 20
 GRANULARITY = 2 << 20
 
@@ -184,13 +186,9 @@ class _OOM(Exception):
 
 
 def _make_allocator(kind, device, chunk_size, steal=True):
-    if kind == "virtual":
-        return vmalloc.VirtualAllocator(device, chunk_size=chunk_size, steal_before_create=steal)
-    if kind == "virtual-packed":
-        return vmalloc.VirtualAllocator(device, placement="packed", chunk_size=chunk_size)
-    if kind == "caching":
-        return vmalloc.CachingAllocator(device)
-    raise InvalidArgumentError(f"unknown allocator {kind!r}; choose from {', '.join(ALLOCATORS)}")
+    options = allocator_kinds.get(kind).applicable(chunk_size=chunk_size,
+                                                   steal_before_create=steal)
+    return allocator_kinds.make(kind, device, **options)
 
 
 class _Memory:
