@@ -25,13 +25,13 @@ const char* const ChunkAllocatorCore::freed_memory =
     "not a live allocation (free memory of this allocator: already freed?)";
 
 ChunkAllocatorCore::ChunkAllocatorCore(const char* owner, std::shared_ptr<Device> device,
-                                       std::size_t chunk_size, std::size_t budget,
-                                       std::size_t placement_unit, bool chunk_counts_are_bounds)
+                                       const ChunkOptions& options, std::size_t placement_unit,
+                                       bool chunk_counts_are_bounds)
     : owner_(owner),
       device_(require_device(device, owner)),
-      chunk_size_(resolve_chunk_size(*device_, chunk_size, owner, placement_unit)),
+      chunk_size_(resolve_chunk_size(*device_, options.chunk_size, owner, placement_unit)),
       chunk_shift_(power_of_two_shift(chunk_size_)),
-      pool_(device_, chunk_size_, budget),
+      pool_(device_, chunk_size_, options.budget),
       order_(device_),
       chunk_counts_are_bounds_(chunk_counts_are_bounds),
       allocate_caller_(owner_ + ".allocate"),

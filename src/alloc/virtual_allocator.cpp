@@ -1,12 +1,10 @@
 #include "vmalloc/alloc/virtual_allocator.hpp"
 
 #include <algorithm>
-#include <iterator>
 #include <utility>
 
 #include "vmalloc/base/detail/format.hpp"
 #include "vmalloc/base/errors.hpp"
-#include "vmalloc/chunks/detail/reservation_teardown.hpp"
 
 namespace vmalloc {
 
@@ -43,8 +41,8 @@ std::size_t resolve_small_threshold(std::size_t chunk_size, std::size_t threshol
 
 VirtualAllocator::VirtualAllocator(std::shared_ptr<Device> device,
                                    const VirtualAllocatorOptions& options)
-    : ChunkAllocatorCore("VirtualAllocator", std::move(device), options.chunk_size, options.budget,
-                         /*placement_unit=*/1, /*chunk_counts_are_bounds=*/false),
+    : ChunkAllocatorCore("VirtualAllocator", std::move(device), options, /*placement_unit=*/1,
+                         /*chunk_counts_are_bounds=*/false),
       small_threshold_(resolve_small_threshold(chunk_size_, options.small_threshold)),
       steal_before_create_(options.steal_before_create),
       arena_(chunk_size_, order_) {}
@@ -54,11 +52,7 @@ std::shared_ptr<VirtualAllocator> VirtualAllocator::create(std::shared_ptr<Devic
   return std::make_shared<VirtualAllocator>(std::move(device), options);
 }
 
-VirtualAllocator::~VirtualAllocator() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  detail::tear_down_reservations(*device_, reservations_, chunk_size_);
-  // The pool's destructor releases every chunk; the stream order's destroys the events.
-}
+VirtualAllocator::~VirtualAllocator() { tear_down(reservations_); }
 
 // ---------------------------------------------------------------------------------------------
 // allocate
@@ -232,9 +226,7 @@ VirtualAllocator::Range* VirtualAllocator::map_new_range(std::size_t k, std::siz
     res->base = base;
     gather(batch);
     if (!batch.full()) throw_out_of_memory(nbytes, "the device refused chunks it reported free");
-    for (; mapped < k; ++mapped)
-      device_->map(base + mapped * chunk_size_, chunk_size_, batch[mapped]);
-    device_->set_access(base, bytes);  // one call over the whole contiguous run
+    map_run(base, batch, mapped);
     for (std::size_t i = 0; i < k; ++i) res->handles[i] = batch[i];
     res->mapped = k;
     reservations_.emplace(base, std::move(res));  // bad_alloc leaves `res` intact: undone
@@ -254,6 +246,13 @@ VirtualAllocator::Range* VirtualAllocator::map_new_range(std::size_t k, std::siz
   r->set_bounds(range);
   counters_.note_reserved(reserved_bytes());
   return range;
+}
+
+void VirtualAllocator::map_run(device_ptr base, const detail::ChunkBatch& batch,
+                               std::size_t& mapped) {
+  for (; mapped < batch.size(); ++mapped)
+    device_->map(base + mapped * chunk_size_, chunk_size_, batch[mapped]);
+  device_->set_access(base, batch.size() * chunk_size_);  // one call over the whole run
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -632,9 +631,7 @@ void VirtualAllocator::map_backing(device_ptr ptr, stream_t stream) {
       if (!batch.full())
         throw_out_of_memory(nbytes, "the device refused chunks it reported free to back " +
                                         hex(ptr));
-      for (; mapped < k; ++mapped)
-        device_->map(base + mapped * chunk_size_, chunk_size_, batch[mapped]);
-      device_->set_access(base, k * chunk_size_);  // a new mapping starts inaccessible
+      map_run(base, batch, mapped);
     } catch (...) {
       undo();
       throw;

@@ -15,6 +15,8 @@
 //
 // Streams: see detail/stream_order.hpp. Thread-safe: one mutex around every public method.
 // See docs/virtual_allocator.rst.
+// The steps both placements share (checks, "enough chunks?", errors, stats) are in
+// detail/chunk_allocator_core.hpp; gathering chunks with an undo in detail/chunk_batch.hpp.
 #pragma once
 
 #include <cstddef>
@@ -25,6 +27,7 @@
 #include <vector>
 
 #include "vmalloc/alloc/allocator.hpp"
+#include "vmalloc/alloc/chunk_options.hpp"
 #include "vmalloc/alloc/chunk_stats.hpp"
 #include "vmalloc/alloc/detail/chunk_allocator_core.hpp"
 #include "vmalloc/alloc/detail/chunk_batch.hpp"
@@ -35,12 +38,8 @@
 
 namespace vmalloc {
 
-struct VirtualAllocatorOptions {
-  // Bytes per physical chunk; a positive multiple of the device granularity. 0 picks the
-  // default: 2 MiB rounded up to a multiple of the granularity.
-  std::size_t chunk_size = 0;
-  // The most bytes of chunks held at once; 0 = no budget (the device's capacity limits).
-  std::size_t budget = 0;
+// chunk_size and budget: ChunkOptions.
+struct VirtualAllocatorOptions : ChunkOptions {
   // Requests of at most this many bytes are sub-allocated in arena chunks; at most chunk_size;
   // 0 disables sub-allocation. default_small_threshold picks chunk_size / 2: above that the
   // chunk path wastes less than the request itself, below it a chunk would be mostly waste.
@@ -121,6 +120,10 @@ class VirtualAllocator final : public Allocator, private detail::ChunkAllocatorC
   // Fills `batch` in allocate's and map_backing's order (ChunkBatch::gather: the pool's
   // cache, stealing first if steal_before_create, new chunks, then stealing under pressure).
   void gather(detail::ChunkBatch& batch);
+  // Maps the full `batch` at `base`, chunk i at slot i, and makes the run accessible (a new
+  // mapping starts inaccessible) with one cuMemSetAccess. `mapped`: how many are mapped, for
+  // the caller's rollback when a call throws.
+  void map_run(device_ptr base, const detail::ChunkBatch& batch, std::size_t& mapped);
   // Chunks that stealing may free: those of cached ranges and empty arena chunks.
   std::size_t stealable_chunks() const noexcept { return cached_chunks_ + arena_.empty_chunks(); }
   // Unmaps up to `need` chunks from cached ranges and empty arena chunks into `out`. With

@@ -20,11 +20,13 @@
 #include <vector>
 
 #include "vmalloc/alloc/allocator.hpp"
+#include "vmalloc/alloc/chunk_options.hpp"
 #include "vmalloc/alloc/chunk_stats.hpp"
 #include "vmalloc/base/detail/allocation_counters.hpp"
 #include "vmalloc/base/detail/flat_ptr_map.hpp"
 #include "vmalloc/base/errors.hpp"
 #include "vmalloc/base/types.hpp"
+#include "vmalloc/chunks/detail/reservation_teardown.hpp"
 #include "vmalloc/chunks/detail/stream_order.hpp"
 #include "vmalloc/chunks/physical_chunk_pool.hpp"
 #include "vmalloc/device/device.hpp"
@@ -33,13 +35,13 @@ namespace vmalloc::detail {
 
 class ChunkAllocatorCore {
  protected:
-  // `owner` names the allocator in messages; chunk_size 0 picks 2 MiB rounded up to the
-  // granularity, else it must be a multiple of it and of `placement_unit`; `budget` as
-  // PhysicalChunkPool's. `chunk_counts_are_bounds`: a request may need fewer new chunks than
-  // it spans (packed placement shares slots), which out-of-memory messages say. Throws
+  // `owner` names the allocator in messages; the chunk size must also be a multiple of
+  // `placement_unit`. `chunk_counts_are_bounds`: a request may need fewer new chunks than it
+  // spans (packed placement shares slots), which out-of-memory messages say. Throws
   // InvalidArgument for a null device, a bad chunk size or budget.
-  ChunkAllocatorCore(const char* owner, std::shared_ptr<Device> device, std::size_t chunk_size,
-                     std::size_t budget, std::size_t placement_unit, bool chunk_counts_are_bounds);
+  ChunkAllocatorCore(const char* owner, std::shared_ptr<Device> device,
+                     const ChunkOptions& options, std::size_t placement_unit,
+                     bool chunk_counts_are_bounds);
   ~ChunkAllocatorCore() = default;
   ChunkAllocatorCore(const ChunkAllocatorCore&) = delete;
   ChunkAllocatorCore& operator=(const ChunkAllocatorCore&) = delete;
@@ -122,6 +124,15 @@ class ChunkAllocatorCore {
     live_.for_each(
         [&](std::uintptr_t key, std::uintptr_t value) { out.emplace_back(key, requested(value)); });
     return out;
+  }
+
+  // For the allocators' destructors: takes the lock, waits for the device, unmaps every
+  // mapped run of `reservations` (a map to pointers to reservations) and frees their address
+  // space. The pool's destructor then releases every chunk, the stream order's the events.
+  template <class Reservations>
+  void tear_down(const Reservations& reservations) noexcept {
+    std::lock_guard<std::mutex> lock(mutex_);
+    tear_down_reservations(*device_, reservations, chunk_size_);
   }
 
   // Stats with the reserved bytes the pool holds. current_stats() and reset_peaks() take
