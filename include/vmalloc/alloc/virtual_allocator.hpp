@@ -127,7 +127,7 @@ class VirtualAllocator final : public Allocator, private detail::ChunkAllocatorC
   // Chunks that stealing may free: those of cached ranges and empty arena chunks.
   std::size_t stealable_chunks() const noexcept { return cached_chunks_ + arena_.empty_chunks(); }
   // Unmaps up to `need` chunks from cached ranges and empty arena chunks into `out`. With
-  // `wait` false, only those whose frees' work is done (polled, no host wait) are taken.
+  // `wait` false, only those whose frees' work is done (polled: no host wait) are taken.
   void steal(std::size_t need, std::vector<physical_handle>& out, bool wait);
   // Unmaps the last `take` chunks of a cached range whose work is done; handles into `out`.
   void unmap_tail(Range* range, std::size_t take, std::vector<physical_handle>& out);
