@@ -1,13 +1,8 @@
 #include "vmalloc/alloc/packed_virtual_allocator.hpp"
 
 #include <algorithm>
-#include <iterator>
 #include <utility>
 
-#include "vmalloc/chunks/detail/chunk_size.hpp"
-#include "vmalloc/base/detail/format.hpp"
-#include "vmalloc/chunks/detail/reservation_teardown.hpp"
-#include "vmalloc/base/detail/saturating_add.hpp"
 #include "vmalloc/base/errors.hpp"
 
 namespace vmalloc {
@@ -15,8 +10,6 @@ namespace vmalloc {
 using detail::packed_block_bytes;
 using detail::PendingWork;
 using detail::StreamOrder;
-using detail::hex;
-using detail::saturating_add;
 
 namespace {
 
@@ -38,11 +31,6 @@ constexpr std::size_t default_small_threshold = std::size_t{1} << 20;
 // Holes up to 32 MiB get exact-size buckets (512 KiB of list heads per index).
 constexpr std::size_t exact_hole_units = (std::size_t{32} << 20) / packed_block_bytes;
 
-const std::shared_ptr<Device>& require_device(const std::shared_ptr<Device>& device) {
-  if (!device) throw InvalidArgument("PackedVirtualAllocator: device is null");
-  return device;
-}
-
 std::size_t resolve_small_threshold(std::size_t threshold) {
   if (threshold == PackedVirtualAllocatorOptions::default_small_threshold)
     return default_small_threshold;
@@ -50,10 +38,6 @@ std::size_t resolve_small_threshold(std::size_t threshold) {
     throw InvalidArgument("PackedVirtualAllocator: small_threshold " + std::to_string(threshold) +
                           " bytes exceeds the limit of 2**56 bytes");
   return threshold;
-}
-
-unsigned power_of_two_shift(std::size_t n) {
-  return n != 0 && (n & (n - 1)) == 0 ? static_cast<unsigned>(__builtin_ctzll(n)) : 0u;
 }
 
 std::size_t resolve_reservation_size(std::size_t chunk_size, std::size_t bytes) {
@@ -68,17 +52,14 @@ std::size_t resolve_reservation_size(std::size_t chunk_size, std::size_t bytes) 
 
 PackedVirtualAllocator::PackedVirtualAllocator(std::shared_ptr<Device> device,
                                                const PackedVirtualAllocatorOptions& options)
-    : device_(require_device(device)),
-      chunk_size_(detail::resolve_chunk_size(*device_, options.chunk_size,
-                                             "PackedVirtualAllocator", packed_block_bytes)),
-      chunk_shift_(power_of_two_shift(chunk_size_)),
+    : ChunkAllocatorCore("PackedVirtualAllocator", std::move(device), options,
+                         /*placement_unit=*/packed_block_bytes, /*chunk_counts_are_bounds=*/true),
       small_threshold_(resolve_small_threshold(options.small_threshold)),
       reservation_size_(resolve_reservation_size(chunk_size_, options.reservation_size)),
       steal_before_create_(options.steal_before_create),
       remap_slack_(resolve_remap_slack(options.remap_slack)),
-      pool_(device_, chunk_size_, options.budget),
-      order_(device_),
-      holes_{detail::HoleIndex(exact_hole_units), detail::HoleIndex(exact_hole_units)} {}
+      small_holes_(exact_hole_units),
+      large_holes_(exact_hole_units) {}
 
 std::shared_ptr<PackedVirtualAllocator> PackedVirtualAllocator::create(
     std::shared_ptr<Device> device, const PackedVirtualAllocatorOptions& options) {
@@ -86,29 +67,21 @@ std::shared_ptr<PackedVirtualAllocator> PackedVirtualAllocator::create(
 }
 
 PackedVirtualAllocator::~PackedVirtualAllocator() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  detail::tear_down_reservations(*device_, reservations_, chunk_size_);
-  // The pool's destructor releases every chunk; the stream order's destroys the events;
-  // the node pool frees the blocks.
+  tear_down(reservations_);  // then the node pool frees the blocks
 }
 
 // ---------------------------------------------------------------------------------------------
 // allocate
 
 device_ptr PackedVirtualAllocator::allocate(std::size_t nbytes, stream_t stream) {
-  device_->check_stream_alive(stream, "PackedVirtualAllocator.allocate");
-  stream = detail::stream_key(stream);  // CU_STREAM_PER_THREAD: one stream per thread
-  if (nbytes == 0) return 0;  // PyTorch's and CuPy's convention: null, nothing counted
-  if (nbytes > max_request_bytes)
-    throw InvalidArgument("PackedVirtualAllocator.allocate: request of " +
-                          std::to_string(nbytes) + " bytes exceeds the limit of 2**56 bytes");
+  if (!admit_allocation(nbytes, stream)) return 0;
   std::lock_guard<std::mutex> lock(mutex_);
   live_.reserve_one();  // the only allocations on the hit path, and only while growing
   Block* spare = blocks_.acquire();  // the split's remainder, if any
   order_.note_stream(stream);
   const std::size_t size =
       (nbytes + packed_block_bytes - 1) / packed_block_bytes * packed_block_bytes;
-  const int kind = nbytes <= small_threshold_ ? 0 : 1;
+  const HoleKind kind = nbytes <= small_threshold_ ? HoleKind::small : HoleKind::large;
 
   Reservation* created = nullptr;  // dropped again if this call fails
   auto fail = [&]() noexcept {
@@ -116,38 +89,26 @@ device_ptr PackedVirtualAllocator::allocate(std::size_t nbytes, stream_t stream)
     blocks_.release(spare);
   };
 
-  Block* h = holes_[kind].best_fit(size / packed_block_bytes, stream, [&](const Block* b) {
+  Block* h = holes(kind).best_fit(size / packed_block_bytes, stream, [&](const Block* b) {
     return unmapped_in(b->reservation, slot_of(b->offset), slot_of(b->offset + size - 1));
   });
   try {
-    if (h == nullptr) {
-      // A fresh reservation needs ceil(size / mc) chunks: decide before reserving anything.
-      const std::size_t k = (size + chunk_size_ - 1) / chunk_size_;
-      const std::size_t in_pool = pool_.chunks_cached();
-      const std::size_t creatable = pool_.creatable_chunks();
-      if (saturating_add(saturating_add(in_pool, free_mapped_), creatable) < k)
-        throw_out_of_memory(nbytes, std::to_string(in_pool + free_mapped_) +
-                                        " free chunks and " + std::to_string(creatable) +
-                                        " creatable");
-      h = new_reservation(std::max(size, reservation_size_), kind);
-      created = h->reservation;
-    }
-    Reservation* res = h->reservation;
-    std::size_t first = slot_of(h->offset);
-    std::size_t last = slot_of(h->offset + size - 1);
-    std::size_t need = unmapped_in(res, first, last);
-    if (need > 0) {
-      const std::size_t in_pool = pool_.chunks_cached();
-      const std::size_t creatable = pool_.creatable_chunks();
-      const std::size_t stealable = free_mapped_ - free_mapped_in(res, first, last);
-      if (saturating_add(saturating_add(in_pool, stealable), creatable) < need) {
+    counting_out_of_memory([&] {
+      if (h == nullptr) {
+        // A fresh reservation needs ceil(size / mc) chunks: decide before reserving anything.
+        require_chunks(chunks_for(size), free_mapped_, nbytes);
+        h = new_reservation(std::max(size, reservation_size_), kind);
+        created = h->reservation;
+      }
+      Reservation* res = h->reservation;
+      std::size_t first = slot_of(h->offset);
+      std::size_t last = slot_of(h->offset + size - 1);
+      std::size_t need = unmapped_in(res, first, last);
+      if (need > 0 && !chunks_available(need, free_mapped_ - free_mapped_in(res, first, last))) {
         // The best hole needs more chunks than are free (it straddles unmapped slots, or
         // would steal its own): a fresh chunk-aligned spot needs only ceil(size / mc).
-        const std::size_t k = (size + chunk_size_ - 1) / chunk_size_;
-        if (saturating_add(saturating_add(in_pool, free_mapped_), creatable) < k)
-          throw_out_of_memory(nbytes, std::to_string(in_pool + free_mapped_) +
-                                          " free chunks and " + std::to_string(creatable) +
-                                          " creatable");
+        const std::size_t k = chunks_for(size);
+        require_chunks(k, free_mapped_, nbytes);
         if (created != nullptr) {  // cannot happen (a fresh hole needs exactly k); be safe
           drop_reservation_if_empty(created);
           created = nullptr;
@@ -159,9 +120,9 @@ device_ptr PackedVirtualAllocator::allocate(std::size_t nbytes, stream_t stream)
         need = k;
         ++fresh_;
       }
-    }
-    order_.make_usable_on(h->work, stream);  // may throw: nothing changed
-    if (need > 0) back_slots(res, first, last, need, nbytes);
+      order_.make_usable_on(h->work, stream);  // may throw: nothing changed
+      if (need > 0) back_slots(res, first, last, need, nbytes);
+    });
   } catch (...) {
     fail();
     throw;
@@ -184,9 +145,9 @@ device_ptr PackedVirtualAllocator::allocate(std::size_t nbytes, stream_t stream)
     h->next = rest;
     h->size = size;
     // Its right neighbour is live or a hole it could not merge with before: no merge now.
-    holes_[kind].replace(h, rest);
+    holes(kind).replace(h, rest);
   } else {
-    holes_[kind].remove(h);
+    holes(kind).remove(h);
   }
   order_.drop(h->work);
   h->free = false;
@@ -207,7 +168,7 @@ device_ptr PackedVirtualAllocator::allocate(std::size_t nbytes, stream_t stream)
 }
 
 PackedVirtualAllocator::Block* PackedVirtualAllocator::new_reservation(std::size_t bytes,
-                                                                       int kind) {
+                                                                       HoleKind kind) {
   const std::size_t slots = (bytes + chunk_size_ - 1) / chunk_size_;
   auto res = std::make_unique<Reservation>();
   res->slots = slots;
@@ -242,94 +203,56 @@ PackedVirtualAllocator::Block* PackedVirtualAllocator::new_reservation(std::size
   b->free = true;
   b->work = PendingWork{};
   r->first = b;
-  holes_[kind].insert(b);
+  holes(kind).insert(b);
   return b;
 }
 
 void PackedVirtualAllocator::back_slots(Reservation* res, std::size_t first, std::size_t last,
                                         std::size_t need, std::size_t nbytes) {
-  std::vector<physical_handle> chunks;
-  chunks.reserve(need);
-  std::vector<std::size_t> newly;  // slots this call mapped, ascending
+  detail::ChunkBatch batch(pool_, need);  // gives its chunks back unless committed
+  std::vector<std::size_t> newly;  // slots this call mapped, ascending; newly[i] holds batch[i]
   newly.reserve(need);
-  std::size_t created_from = 0;  // chunks[created_from..] are new: released on failure
-  std::vector<physical_handle> stolen;  // create-first: stolen after creating, then moved
   auto undo = [&]() noexcept {
-    for (physical_handle h : stolen) {
-      try {
-        pool_.give_back(h);
-      } catch (...) {
-      }
-    }
     // Unmap what this call mapped; a slot that will not unmap stays mapped, as a free slot.
-    // newly[i] holds chunks[i]; a chunk left mapped is zeroed out of `chunks`.
     for (std::size_t i = 0; i < newly.size(); ++i) {
       const std::size_t s = newly[i];
       try {
         device_->unmap(res->base + s * chunk_size_, chunk_size_);
       } catch (...) {
-        chunks[i] = 0;
+        batch.leave_mapped(i);
         continue;
       }
       res->handles[s] = 0;
       --res->mapped;
       --free_mapped_;
     }
-    for (std::size_t i = 0; i < chunks.size(); ++i) {
-      if (chunks[i] == 0) continue;
-      try {
-        if (i >= created_from) pool_.release(chunks[i]);
-        else pool_.give_back(chunks[i]);
-      } catch (...) {
-      }
-    }
+  };
+  // Stealing first: a slot stolen before and needed again gets a new chunk, within the limits
+  // above, since stealing for it once more would only move the remap elsewhere (a periodic
+  // loop would remap every step).
+  auto create_first = [&](std::size_t missing) -> std::size_t {
+    if (remap_slack_ <= 0.0) return 0;
+    std::size_t regrets = 0;
+    for (std::size_t s = first; s <= last; ++s) regrets += res->robbed[s];
+    const std::size_t held = pool_.chunks_held();
+    const std::size_t cap =
+        peak_live_slots_ +
+        static_cast<std::size_t>(static_cast<double>(peak_live_slots_) * remap_slack_);
+    return std::min({regrets, missing, pool_.creatable_chunks(), cap > held ? cap - held : 0,
+                     std::max<std::size_t>(1, peak_live_slots_ / regret_step_divisor)});
   };
   try {
-    for (physical_handle h; chunks.size() < need && (h = pool_.take_cached()) != 0;)
-      chunks.push_back(h);
-    if (steal_before_create_ && chunks.size() < need) {
-      // A slot stolen before and needed again: stealing for it once more would only move the
-      // remap elsewhere (a periodic loop would remap every step), so with a remap_slack it
-      // gets a new chunk, within the limits above.
-      std::size_t create = 0;
-      if (remap_slack_ > 0.0) {
-        std::size_t regrets = 0;
-        for (std::size_t s = first; s <= last; ++s) regrets += res->robbed[s];
-        const std::size_t held = pool_.chunks_held();
-        const std::size_t cap =
-            peak_live_slots_ + static_cast<std::size_t>(
-                                   static_cast<double>(peak_live_slots_) * remap_slack_);
-        create = std::min({regrets, need - chunks.size(), pool_.creatable_chunks(),
-                           cap > held ? cap - held : 0,
-                           std::max<std::size_t>(1, peak_live_slots_ / regret_step_divisor)});
-      }
-      if (chunks.size() + create < need)
-        steal(need - chunks.size() - create, res, first, last, chunks, /*wait=*/false);
-    }
-    created_from = chunks.size();
-    for (std::size_t want = std::min(need - chunks.size(), pool_.creatable_chunks()); want > 0;
-         --want) {
-      try {
-        chunks.push_back(pool_.create());
-      } catch (const OutOfMemory&) {
-        break;  // the device is fuller than it said (shared with others): steal instead
-      }
-    }
-    if (chunks.size() < need) {
-      // Stolen chunks go before the created ones, which a failure releases.
-      stolen.reserve(need - chunks.size());
-      steal(need - chunks.size(), res, first, last, stolen, /*wait=*/true);
-      chunks.insert(chunks.begin() + static_cast<std::ptrdiff_t>(created_from), stolen.begin(),
-                    stolen.end());  // within the reserved capacity: no allocation
-      created_from += stolen.size();
-      stolen.clear();
-    }
-    if (chunks.size() < need)
+    batch.gather(steal_before_create_, create_first,
+                 [&](std::size_t n, std::vector<physical_handle>& out, bool wait) {
+                   steal(n, res, first, last, out, wait);
+                 });
+    batch.put_created_last();
+    if (!batch.full())
       throw_out_of_memory(nbytes, "the device refused chunks it reported creatable");
     counters_.note_reserved(reserved_bytes());
     for (std::size_t s = first; s <= last; ++s) {
       if (res->handles[s] != 0) continue;
-      const physical_handle h = chunks[newly.size()];
+      const physical_handle h = batch[newly.size()];
       device_->map(res->base + s * chunk_size_, chunk_size_, h);
       res->handles[s] = h;
       ++res->mapped;
@@ -347,6 +270,7 @@ void PackedVirtualAllocator::back_slots(Reservation* res, std::size_t first, std
     undo();
     throw;
   }
+  batch.commit();
   for (std::size_t s : newly) res->robbed[s] = 0;
 }
 
@@ -428,7 +352,7 @@ void PackedVirtualAllocator::drop_reservation_if_empty(Reservation* res, const R
   }
   for (Block* b = res->first; b != nullptr;) {
     Block* next = b->next;
-    holes_[res->kind].remove(b);
+    holes(res->kind).remove(b);
     order_.drop(b->work);
     blocks_.release(b);
     b = next;
@@ -454,17 +378,12 @@ std::size_t PackedVirtualAllocator::unmapped_in(const Reservation* res, std::siz
 // deallocate
 
 void PackedVirtualAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t stream) {
-  device_->check_stream_alive(stream, "PackedVirtualAllocator.deallocate");
-  stream = detail::stream_key(stream);
-  if (ptr == 0) return;
+  if (!admit_free(ptr, stream)) return;
   std::lock_guard<std::mutex> lock(mutex_);
   const std::size_t slot = live_.find_slot(ptr);  // one probe: found here, erased below
   if (slot == detail::FlatPtrMap::npos) throw_invalid_pointer(ptr, "deallocate");
   Block* b = reinterpret_cast<Block*>(live_.value_at(slot));
-  if (nbytes != unknown_size && nbytes != b->requested)
-    throw InvalidArgument("PackedVirtualAllocator.deallocate: nbytes " + std::to_string(nbytes) +
-                          " differs from the " + std::to_string(b->requested) +
-                          " bytes allocated at " + hex(ptr));
+  check_free_size(nbytes, b->requested, ptr);
   const PendingWork work = order_.on_free(stream);  // may throw: nothing changed
   live_.erase_at(slot);  // the map has not changed since find_slot
   counters_.count_deallocation(b->requested, b->size);
@@ -484,7 +403,7 @@ void PackedVirtualAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stre
 
 void PackedVirtualAllocator::insert_hole(Block* b) noexcept {
   Reservation* res = b->reservation;
-  detail::HoleIndex& index = holes_[res->kind];
+  detail::HoleIndex& index = holes(res->kind);
   Block* anchor = nullptr;  // a merged neighbour whose place in the index b takes
   Block* left = b->prev;
   if (left != nullptr && left->free && StreamOrder::can_merge(left->work, b->work)) {
@@ -548,28 +467,8 @@ std::size_t PackedVirtualAllocator::release_cached() {
 // ---------------------------------------------------------------------------------------------
 // accounting and introspection
 
-Stats PackedVirtualAllocator::stats_locked() const {
-  return counters_.snapshot(reserved_bytes());
-}
-
-Stats PackedVirtualAllocator::stats() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return stats_locked();
-}
-
-void PackedVirtualAllocator::reset_peak_stats() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  counters_.reset_peaks(reserved_bytes());
-}
-
 std::vector<std::pair<device_ptr, std::size_t>> PackedVirtualAllocator::live_allocations() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<std::pair<device_ptr, std::size_t>> out;
-  out.reserve(live_.size());
-  live_.for_each([&](std::uintptr_t key, std::uintptr_t v) {
-    out.emplace_back(key, reinterpret_cast<const Block*>(v)->requested);
-  });
-  return out;
+  return list_live([](std::uintptr_t v) { return reinterpret_cast<const Block*>(v)->requested; });
 }
 
 std::size_t PackedVirtualAllocator::allocation_size(device_ptr ptr) const {
@@ -581,91 +480,42 @@ std::size_t PackedVirtualAllocator::allocation_size(device_ptr ptr) const {
 
 PackedStats PackedVirtualAllocator::packed_stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  const ChunkPoolStats p = pool_.stats();
   PackedStats s;
-  s.chunk_size = chunk_size_;
-  s.small_threshold = small_threshold_;
+  fill_common_stats(s, small_threshold_, reservations_);
+  s.chunks_live = live_slots_;
+  s.free_chunks = free_mapped_ + s.chunks_in_pool;
   s.reservation_size = reservation_size_;
   s.steal_before_create = steal_before_create_;
   s.remap_slack = remap_slack_;
-  s.budget_bytes = p.budget_bytes;
-  s.chunks_held = p.chunks_held;
-  s.peak_chunks_held = p.peak_chunks_held;
-  s.chunks_live = live_slots_;
   s.chunks_free_mapped = free_mapped_;
-  s.chunks_in_pool = p.chunks_cached;
-  s.free_chunks = free_mapped_ + p.chunks_cached;
   s.live_blocks = counters_.live_allocations();
-  s.free_holes = holes_[0].count() + holes_[1].count();
-  for (const auto& e : reservations_) {
-    s.reserved_address_bytes += e.second->slots * chunk_size_;
+  s.free_holes = small_holes_.count() + large_holes_.count();
+  for (const auto& e : reservations_)
     for (const Block* b = e.second->first; b != nullptr; b = b->next)
       if (b->free) s.hole_bytes += b->size;
-  }
-  s.reservations = reservations_.size();
-  s.chunks_created = p.chunks_created;
-  s.chunks_released = p.chunks_released;
-  s.chunks_stolen = stolen_;
   s.fresh_placements = fresh_;
-  s.events_created = order_.events_created();
-  s.multi_stream = order_.multi_stream();
   return s;
 }
 
 ChunkStats PackedVirtualAllocator::chunk_stats() const {
   const PackedStats p = packed_stats();
   ChunkStats s;
-  s.chunk_size = p.chunk_size;
-  s.small_threshold = p.small_threshold;
-  s.budget_bytes = p.budget_bytes;
-  s.chunks_held = p.chunks_held;
-  s.peak_chunks_held = p.peak_chunks_held;
-  s.chunks_live = p.chunks_live;
+  static_cast<CommonChunkStats&>(s) = p;
   s.chunks_cached = p.chunks_free_mapped;
-  s.chunks_in_pool = p.chunks_in_pool;
-  s.free_chunks = p.free_chunks;
   s.cached_ranges = p.free_holes;
   s.live_ranges = p.live_blocks;
-  s.reservations = p.reservations;
-  s.reserved_address_bytes = p.reserved_address_bytes;
-  s.chunks_created = p.chunks_created;
-  s.chunks_released = p.chunks_released;
-  s.chunks_stolen = p.chunks_stolen;
-  s.events_created = p.events_created;
-  s.multi_stream = p.multi_stream;
   return s;
 }
 
-void PackedVirtualAllocator::throw_out_of_memory(std::size_t nbytes, const std::string& why) {
-  counters_.count_out_of_memory();
-  const std::size_t k = (nbytes + chunk_size_ - 1) / chunk_size_;
-  const Stats s = stats_locked();
-  throw OutOfMemory("PackedVirtualAllocator: out of memory allocating " +
-                        std::to_string(nbytes) + " bytes (at most " + std::to_string(k) +
-                        " chunk" + (k == 1 ? "" : "s") + " of " + std::to_string(chunk_size_) +
-                        " bytes) on " + device_->name() + ": " + why + "; " + s.summary(),
-                    nbytes, s.summary());
-}
-
 void PackedVirtualAllocator::throw_invalid_pointer(device_ptr ptr, const char* operation) const {
-  std::string why = "not allocated by this allocator";
-  auto it = reservations_.upper_bound(ptr);
-  if (ptr != 0 && it != reservations_.begin()) {
-    const Reservation& res = *std::prev(it)->second;
-    if (ptr < res.base + res.slots * chunk_size_) {
-      const std::size_t off = ptr - res.base;
-      const Block* b = res.first;
-      while (b != nullptr && b->end() <= off) b = b->next;
-      if (b != nullptr && !b->free)
-        why = "an interior pointer: offset " + std::to_string(off - b->offset) +
-              " into the live allocation at " + hex(res.address_of(b)) + " of " +
-              std::to_string(b->requested) + " bytes";
-      else
-        why = "not a live allocation (free memory of this allocator: already freed?)";
-    }
-  }
-  throw InvalidPointer(std::string("PackedVirtualAllocator.") + operation + ": pointer " +
-                       hex(ptr) + " is " + why);
+  ChunkAllocatorCore::throw_invalid_pointer(
+      ptr, operation, reservations_, [](const Reservation& res, std::size_t offset) -> std::string {
+        const Block* b = res.first;
+        while (b != nullptr && b->end() <= offset) b = b->next;
+        if (b != nullptr && !b->free)
+          return interior_pointer(res.base + offset, res.address_of(b), b->requested);
+        return freed_memory;
+      });
 }
 
 }  // namespace vmalloc

@@ -1,13 +1,9 @@
 #include "vmalloc/alloc/virtual_allocator.hpp"
 
 #include <algorithm>
-#include <iterator>
 #include <utility>
 
-#include "vmalloc/chunks/detail/chunk_size.hpp"
 #include "vmalloc/base/detail/format.hpp"
-#include "vmalloc/chunks/detail/reservation_teardown.hpp"
-#include "vmalloc/base/detail/saturating_add.hpp"
 #include "vmalloc/base/errors.hpp"
 
 namespace vmalloc {
@@ -18,7 +14,6 @@ using detail::PendingWork;
 using detail::RangeState;
 using detail::StreamOrder;
 using detail::hex;
-using detail::saturating_add;
 
 namespace {
 
@@ -27,9 +22,10 @@ constexpr std::uintptr_t block_tag = 1;
 // Cached ranges examined in the best-fit size list for one on the caller's stream.
 constexpr int same_stream_scan = 8;
 
-const std::shared_ptr<Device>& require_device(const std::shared_ptr<Device>& device) {
-  if (!device) throw InvalidArgument("VirtualAllocator: device is null");
-  return device;
+// The size asked for of a live allocation, from its live_ value.
+std::size_t requested_of(std::uintptr_t v) noexcept {
+  return (v & block_tag) ? reinterpret_cast<const ArenaBlock*>(v & ~block_tag)->requested
+                         : reinterpret_cast<const detail::ChunkRange*>(v)->requested;
 }
 
 std::size_t resolve_small_threshold(std::size_t chunk_size, std::size_t threshold) {
@@ -45,13 +41,10 @@ std::size_t resolve_small_threshold(std::size_t chunk_size, std::size_t threshol
 
 VirtualAllocator::VirtualAllocator(std::shared_ptr<Device> device,
                                    const VirtualAllocatorOptions& options)
-    : device_(require_device(device)),
-      chunk_size_(detail::resolve_chunk_size(*device_, options.chunk_size, "VirtualAllocator")),
-      chunk_shift_((chunk_size_ & (chunk_size_ - 1)) == 0 ? __builtin_ctzll(chunk_size_) : -1),
+    : ChunkAllocatorCore("VirtualAllocator", std::move(device), options, /*placement_unit=*/1,
+                         /*chunk_counts_are_bounds=*/false),
       small_threshold_(resolve_small_threshold(chunk_size_, options.small_threshold)),
       steal_before_create_(options.steal_before_create),
-      pool_(device_, chunk_size_, options.budget),
-      order_(device_),
       arena_(chunk_size_, order_) {}
 
 std::shared_ptr<VirtualAllocator> VirtualAllocator::create(std::shared_ptr<Device> device,
@@ -59,27 +52,20 @@ std::shared_ptr<VirtualAllocator> VirtualAllocator::create(std::shared_ptr<Devic
   return std::make_shared<VirtualAllocator>(std::move(device), options);
 }
 
-VirtualAllocator::~VirtualAllocator() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  detail::tear_down_reservations(*device_, reservations_, chunk_size_);
-  // The pool's destructor releases every chunk; the stream order's destroys the events.
-}
+VirtualAllocator::~VirtualAllocator() { tear_down(reservations_); }
 
 // ---------------------------------------------------------------------------------------------
 // allocate
 
 device_ptr VirtualAllocator::allocate(std::size_t nbytes, stream_t stream) {
-  device_->check_stream_alive(stream, "VirtualAllocator.allocate");
-  stream = detail::stream_key(stream);  // CU_STREAM_PER_THREAD: one stream per thread
-  if (nbytes == 0) return 0;  // PyTorch's and CuPy's convention: null, nothing counted
-  if (nbytes > max_request_bytes)
-    throw InvalidArgument("VirtualAllocator.allocate: request of " + std::to_string(nbytes) +
-                          " bytes exceeds the limit of 2**56 bytes");
+  if (!admit_allocation(nbytes, stream)) return 0;
   std::lock_guard<std::mutex> lock(mutex_);
   live_.reserve_one();  // the only allocation on the hit path, and only while growing
   order_.note_stream(stream);
-  return nbytes <= small_threshold_ ? allocate_small(nbytes, stream)
-                                    : allocate_chunks(nbytes, stream);
+  return counting_out_of_memory([&] {
+    return nbytes <= small_threshold_ ? allocate_small(nbytes, stream)
+                                      : allocate_chunks(nbytes, stream);
+  });
 }
 
 device_ptr VirtualAllocator::allocate_chunks(std::size_t nbytes, stream_t stream) {
@@ -172,36 +158,19 @@ VirtualAllocator::Range* VirtualAllocator::take_cached(std::size_t k, stream_t s
   return c;
 }
 
-void VirtualAllocator::gather_chunks(std::size_t k, std::size_t creatable,
-                                     std::vector<physical_handle>& chunks,
-                                     std::size_t& first_created, std::size_t& created) {
-  for (physical_handle h; chunks.size() < k && (h = pool_.take_cached()) != 0;)
-    chunks.push_back(h);
-  if (steal_before_create_ && chunks.size() < k) steal(k - chunks.size(), chunks, false);
-  first_created = chunks.size();
-  for (std::size_t want = std::min(k - chunks.size(), creatable); want > 0; --want) {
-    physical_handle h;
-    try {
-      h = pool_.create();
-    } catch (const OutOfMemory&) {
-      break;  // the device is fuller than it said (shared): steal instead
-    }
-    chunks.push_back(h);
-    ++created;
-  }
-  if (chunks.size() < k) steal(k - chunks.size(), chunks, true);
+void VirtualAllocator::gather(detail::ChunkBatch& batch) {
+  batch.gather(
+      steal_before_create_, [](std::size_t) { return std::size_t{0}; },
+      [this](std::size_t need, std::vector<physical_handle>& out, bool wait) {
+        steal(need, out, wait);
+      });
 }
 
 VirtualAllocator::Range* VirtualAllocator::map_new_range(std::size_t k, std::size_t nbytes,
                                                          stream_t /*stream*/) {
   // Decide feasibility before tearing anything down: free chunks anywhere count, whatever
   // the address space looks like.
-  const std::size_t in_pool = pool_.chunks_cached();
-  const std::size_t creatable = pool_.creatable_chunks();
-  const std::size_t stealable = cached_chunks_ + arena_.empty_chunks();
-  if (saturating_add(saturating_add(in_pool, stealable), creatable) < k)
-    throw_out_of_memory(nbytes, std::to_string(in_pool + stealable) + " free chunks and " +
-                                    std::to_string(creatable) + " creatable");
+  require_chunks(k, stealable_chunks(), nbytes);
 
   const std::size_t bytes = k * chunk_size_;
   // Bookkeeping first, so that a bad_alloc changes nothing on the device.
@@ -211,11 +180,10 @@ VirtualAllocator::Range* VirtualAllocator::map_new_range(std::size_t k, std::siz
   res->head.assign(k, nullptr);
   res->tail.assign(k, nullptr);
   cached_.reserve(k);
-  std::vector<physical_handle> chunks;
-  chunks.reserve(k);
+  detail::ChunkBatch batch(pool_, k);  // gives its chunks back unless committed
   Range* range = ranges_.acquire();
 
-  std::size_t first_created = 0, created = 0, mapped = 0;
+  std::size_t mapped = 0;
   device_ptr base = 0;
   auto undo = [&]() noexcept {
     // What the rollback cannot undo stays tracked: a reservation whose unmap or address free
@@ -239,24 +207,16 @@ VirtualAllocator::Range* VirtualAllocator::map_new_range(std::size_t k, std::siz
       }
     }
     if (keep) {
-      for (std::size_t i = 0; i < still_mapped; ++i) res->handles[i] = chunks[i];
+      for (std::size_t i = 0; i < still_mapped; ++i) res->handles[i] = batch[i];
       res->mapped = still_mapped;
       res->quarantined = true;
       try {
         reservations_.emplace(base, std::move(res));
+        // Chunks still mapped stay held (quarantined); the batch gives back the others
+        // (created ones to the device): reserved bytes are as before.
+        for (std::size_t i = 0; i < still_mapped; ++i) batch.leave_mapped(i);
       } catch (...) {
-        still_mapped = 0;  // out of host memory: nothing more can be done
-      }
-    }
-    // Chunks created for this request go back to the device, the others to the pool's
-    // cache: reserved bytes are as before. Chunks still mapped stay held (quarantined).
-    for (std::size_t i = still_mapped; i < chunks.size(); ++i) {
-      try {
-        if (i >= first_created && i < first_created + created)
-          pool_.release(chunks[i]);
-        else
-          pool_.give_back(chunks[i]);
-      } catch (...) {
+        // Out of host memory: nothing more can be done; the batch gives every chunk back.
       }
     }
     release_range(range);
@@ -264,25 +224,17 @@ VirtualAllocator::Range* VirtualAllocator::map_new_range(std::size_t k, std::siz
   try {
     base = device_->reserve(bytes, device_->granularity());
     res->base = base;
-    gather_chunks(k, creatable, chunks, first_created, created);
-    if (chunks.size() < k)
-      throw OutOfMemory("VirtualAllocator: out of memory allocating " + std::to_string(nbytes) +
-                            " bytes: the device refused chunks it reported free",
-                        nbytes, stats_locked().summary());
-    for (; mapped < k; ++mapped)
-      device_->map(base + mapped * chunk_size_, chunk_size_, chunks[mapped]);
-    device_->set_access(base, bytes);  // one call over the whole contiguous run
-    for (std::size_t i = 0; i < k; ++i) res->handles[i] = chunks[i];
+    gather(batch);
+    if (!batch.full()) throw_out_of_memory(nbytes, "the device refused chunks it reported free");
+    map_run(base, batch, mapped);
+    for (std::size_t i = 0; i < k; ++i) res->handles[i] = batch[i];
     res->mapped = k;
     reservations_.emplace(base, std::move(res));  // bad_alloc leaves `res` intact: undone
-  } catch (const OutOfMemory&) {
-    undo();
-    counters_.count_out_of_memory();
-    throw;
   } catch (...) {
     undo();
     throw;
   }
+  batch.commit();
   Reservation* r = reservations_.find(base)->second.get();
   range->reservation = r;
   range->first = 0;
@@ -294,6 +246,13 @@ VirtualAllocator::Range* VirtualAllocator::map_new_range(std::size_t k, std::siz
   r->set_bounds(range);
   counters_.note_reserved(reserved_bytes());
   return range;
+}
+
+void VirtualAllocator::map_run(device_ptr base, const detail::ChunkBatch& batch,
+                               std::size_t& mapped) {
+  for (; mapped < batch.size(); ++mapped)
+    device_->map(base + mapped * chunk_size_, chunk_size_, batch[mapped]);
+  device_->set_access(base, batch.size() * chunk_size_);  // one call over the whole run
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -399,19 +358,14 @@ void VirtualAllocator::drop_reservation_if_empty(Reservation* res) {
 // deallocate
 
 void VirtualAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t stream) {
-  device_->check_stream_alive(stream, "VirtualAllocator.deallocate");
-  stream = detail::stream_key(stream);
-  if (ptr == 0) return;
+  if (!admit_free(ptr, stream)) return;
   std::lock_guard<std::mutex> lock(mutex_);
   const std::size_t slot = live_.find_slot(ptr);  // valid until live_ changes below
   if (slot == live_.npos) throw_invalid_pointer(ptr, "deallocate");
   const std::uintptr_t v = live_.value_at(slot);
   if (v & block_tag) {
     ArenaBlock* b = reinterpret_cast<ArenaBlock*>(v & ~block_tag);
-    if (nbytes != unknown_size && nbytes != b->requested)
-      throw InvalidArgument("VirtualAllocator.deallocate: nbytes " + std::to_string(nbytes) +
-                            " differs from the " + std::to_string(b->requested) +
-                            " bytes allocated at " + hex(ptr));
+    check_free_size(nbytes, b->requested, ptr);
     const PendingWork work = order_.on_free(stream);  // may throw: nothing changed
     live_.erase_at(slot);
     --live_blocks_;
@@ -425,10 +379,7 @@ void VirtualAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t s
     return;
   }
   Range* r = reinterpret_cast<Range*>(v);
-  if (nbytes != unknown_size && nbytes != r->requested)
-    throw InvalidArgument("VirtualAllocator.deallocate: nbytes " + std::to_string(nbytes) +
-                          " differs from the " + std::to_string(r->requested) +
-                          " bytes allocated at " + hex(ptr));
+  check_free_size(nbytes, r->requested, ptr);
   if (r->unbacked) {
     // Swapped out (unmap_backing): no chunk to cache, no work to order; its slots become
     // unmapped address space, and the reservation goes once nothing else is in it.
@@ -555,43 +506,28 @@ std::size_t VirtualAllocator::release_cached() {
 // ---------------------------------------------------------------------------------------------
 // accounting and introspection
 
-Stats VirtualAllocator::stats_locked() const { return counters_.snapshot(reserved_bytes()); }
-
-Stats VirtualAllocator::stats() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return stats_locked();
-}
-
-void VirtualAllocator::reset_peak_stats() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  counters_.reset_peaks(reserved_bytes());
+std::uintptr_t VirtualAllocator::live_value(device_ptr ptr, const char* operation) const {
+  const std::uintptr_t v = ptr == 0 ? 0 : live_.find(ptr);
+  if (v == 0) throw_invalid_pointer(ptr, operation);
+  return v;
 }
 
 std::size_t VirtualAllocator::allocation_size(device_ptr ptr) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  const std::uintptr_t v = live_.find(ptr);
-  if (ptr == 0 || v == 0) throw_invalid_pointer(ptr, "allocation_size");
-  if (v & block_tag) return reinterpret_cast<const ArenaBlock*>(v & ~block_tag)->requested;
-  return reinterpret_cast<const Range*>(v)->requested;
+  return requested_of(live_value(ptr, "allocation_size"));
 }
 
-std::size_t VirtualAllocator::free_chunks() const noexcept {
-  return pool_.chunks_cached() + cached_chunks_ + arena_.empty_chunks();
+std::vector<std::pair<device_ptr, std::size_t>> VirtualAllocator::live_allocations() const {
+  return list_live(requested_of);
 }
 
 ChunkStats VirtualAllocator::chunk_stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  const ChunkPoolStats p = pool_.stats();
   ChunkStats s;
-  s.chunk_size = chunk_size_;
-  s.small_threshold = small_threshold_;
-  s.budget_bytes = p.budget_bytes;
-  s.chunks_held = p.chunks_held;
-  s.peak_chunks_held = p.peak_chunks_held;
+  fill_common_stats(s, small_threshold_, reservations_);
   s.chunks_live = live_chunks_;
   s.chunks_cached = cached_chunks_;
   s.chunks_in_arenas = arena_.chunks();
-  s.chunks_in_pool = p.chunks_cached;
   s.arena_chunks_empty = arena_.empty_chunks();
   s.free_chunks = s.chunks_cached + s.chunks_in_pool + s.arena_chunks_empty;
   s.cached_ranges = cached_.count();
@@ -599,38 +535,17 @@ ChunkStats VirtualAllocator::chunk_stats() const {
   s.live_blocks = live_blocks_;
   s.free_blocks = arena_.free_blocks();
   s.arena_free_bytes = arena_.free_bytes();
-  s.reservations = reservations_.size();
-  for (const auto& e : reservations_) s.reserved_address_bytes += e.second->slots * chunk_size_;
-  s.chunks_created = p.chunks_created;
-  s.chunks_released = p.chunks_released;
-  s.chunks_stolen = stolen_;
   s.unbacked_ranges = unbacked_ranges_;
   s.chunks_unbacked = unbacked_chunks_;
   s.unbacked_bytes = unbacked_bytes_;
-  s.events_created = order_.events_created();
-  s.multi_stream = order_.multi_stream();
   return s;
-}
-
-std::vector<std::pair<device_ptr, std::size_t>> VirtualAllocator::live_allocations() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<std::pair<device_ptr, std::size_t>> out;
-  out.reserve(live_.size());
-  live_.for_each([&](std::uintptr_t key, std::uintptr_t v) {
-    const std::size_t n = (v & block_tag)
-                              ? reinterpret_cast<const ArenaBlock*>(v & ~block_tag)->requested
-                              : reinterpret_cast<const Range*>(v)->requested;
-    out.emplace_back(key, n);
-  });
-  return out;
 }
 
 // ---------------------------------------------------------------------------------------------
 // swap primitives: a live chunk-path allocation loses and regains its chunks at one address
 
 VirtualAllocator::Range* VirtualAllocator::live_range(device_ptr ptr, const char* operation) const {
-  const std::uintptr_t v = ptr == 0 ? 0 : live_.find(ptr);
-  if (v == 0) throw_invalid_pointer(ptr, operation);
+  const std::uintptr_t v = live_value(ptr, operation);
   if (v & block_tag)
     throw InvalidArgument(std::string("VirtualAllocator.") + operation + ": the allocation at " +
                           hex(ptr) + " of " +
@@ -642,15 +557,12 @@ VirtualAllocator::Range* VirtualAllocator::live_range(device_ptr ptr, const char
 
 bool VirtualAllocator::owns_chunks(device_ptr ptr) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  const std::uintptr_t v = ptr == 0 ? 0 : live_.find(ptr);
-  if (v == 0) throw_invalid_pointer(ptr, "owns_chunks");
-  return (v & block_tag) == 0;
+  return (live_value(ptr, "owns_chunks") & block_tag) == 0;
 }
 
 bool VirtualAllocator::is_unbacked(device_ptr ptr) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  const std::uintptr_t v = ptr == 0 ? 0 : live_.find(ptr);
-  if (v == 0) throw_invalid_pointer(ptr, "is_unbacked");
+  const std::uintptr_t v = live_value(ptr, "is_unbacked");
   return (v & block_tag) == 0 && reinterpret_cast<const Range*>(v)->unbacked;
 }
 
@@ -691,119 +603,65 @@ void VirtualAllocator::map_backing(device_ptr ptr, stream_t stream) {
                           " is backed (not swapped out)");
   const std::size_t k = r->count;
   const std::size_t nbytes = r->requested;
-  // Feasibility first, as allocate() decides it: free chunks anywhere count.
-  const std::size_t in_pool = pool_.chunks_cached();
-  const std::size_t creatable = pool_.creatable_chunks();
-  const std::size_t stealable = cached_chunks_ + arena_.empty_chunks();
-  if (saturating_add(saturating_add(in_pool, stealable), creatable) < k)
-    throw_out_of_memory(nbytes, std::to_string(in_pool + stealable) + " free chunks and " +
-                                    std::to_string(creatable) + " creatable to back " + hex(ptr));
-  order_.note_stream(stream);
-  Reservation* res = r->reservation;
-  const device_ptr base = address_of(r);
-  std::vector<physical_handle> chunks;
-  chunks.reserve(k);
-  pool_.reserve_cache(k);
-  std::size_t first_created = 0, created = 0, mapped = 0;
-  auto undo = [&]() noexcept {
-    if (mapped > 0) {
+  counting_out_of_memory([&] {
+    // Feasibility first, as allocate() decides it: free chunks anywhere count.
+    require_chunks(k, stealable_chunks(), nbytes, /*backing=*/ptr);
+    order_.note_stream(stream);
+    Reservation* res = r->reservation;
+    const device_ptr base = address_of(r);
+    detail::ChunkBatch batch(pool_, k);  // gives its chunks back unless committed
+    pool_.reserve_cache(k);
+    std::size_t mapped = 0;
+    auto undo = [&]() noexcept {
+      if (mapped == 0) return;
       try {
         device_->unmap(base, mapped * chunk_size_);
       } catch (...) {
         // Double fault: the chunks stay mapped in an unbacked range's slots. Record them
         // there so that teardown unmaps them; the pool forgets them (never reused).
-        for (std::size_t i = 0; i < mapped; ++i) res->handles[r->first + i] = chunks[i];
+        for (std::size_t i = 0; i < mapped; ++i) {
+          res->handles[r->first + i] = batch[i];
+          batch.leave_mapped(i);
+        }
         res->mapped += mapped;
-        // Of the chunks dropped from the list, those created here leave the created run.
-        const std::size_t end_created = first_created + created;
-        const std::size_t dropped_created =
-            mapped > first_created ? std::min(mapped, end_created) - first_created : 0;
-        created -= dropped_created;
-        first_created = first_created > mapped ? first_created - mapped : 0;
-        chunks.erase(chunks.begin(), chunks.begin() + static_cast<std::ptrdiff_t>(mapped));
-        mapped = 0;
       }
+    };
+    try {
+      gather(batch);
+      if (!batch.full())
+        throw_out_of_memory(nbytes, "the device refused chunks it reported free to back " +
+                                        hex(ptr));
+      map_run(base, batch, mapped);
+    } catch (...) {
+      undo();
+      throw;
     }
-    for (std::size_t i = 0; i < chunks.size(); ++i) {
-      try {
-        if (i >= first_created && i < first_created + created)
-          pool_.release(chunks[i]);
-        else
-          pool_.give_back(chunks[i]);
-      } catch (...) {
-      }
-    }
-  };
-  try {
-    gather_chunks(k, creatable, chunks, first_created, created);
-    if (chunks.size() < k)
-      throw OutOfMemory("VirtualAllocator: out of memory backing " + std::to_string(nbytes) +
-                            " bytes at " + hex(ptr) +
-                            ": the device refused chunks it reported free",
-                        nbytes, stats_locked().summary());
-    for (; mapped < k; ++mapped)
-      device_->map(base + mapped * chunk_size_, chunk_size_, chunks[mapped]);
-    device_->set_access(base, k * chunk_size_);  // a new mapping starts inaccessible
-  } catch (const OutOfMemory&) {
-    undo();
-    counters_.count_out_of_memory();
-    throw;
-  } catch (...) {
-    undo();
-    throw;
-  }
-  for (std::size_t i = 0; i < k; ++i) res->handles[r->first + i] = chunks[i];
-  res->mapped += k;
-  --res->unbacked;
-  r->unbacked = false;
-  live_chunks_ += k;
-  --unbacked_ranges_;
-  unbacked_chunks_ -= k;
-  unbacked_bytes_ -= nbytes;
-  counters_.reback(nbytes, k * chunk_size_);
-  counters_.note_reserved(reserved_bytes());
-}
-
-void VirtualAllocator::throw_out_of_memory(std::size_t nbytes, const std::string& why) {
-  counters_.count_out_of_memory();
-  const std::size_t k = (nbytes + chunk_size_ - 1) / chunk_size_;
-  const Stats s = stats_locked();
-  throw OutOfMemory("VirtualAllocator: out of memory allocating " + std::to_string(nbytes) +
-                        " bytes (" + std::to_string(k) + " chunk" + (k == 1 ? "" : "s") +
-                        " of " + std::to_string(chunk_size_) + " bytes) on " + device_->name() +
-                        ": " + why + "; " + s.summary(),
-                    nbytes, s.summary());
+    batch.commit();
+    for (std::size_t i = 0; i < k; ++i) res->handles[r->first + i] = batch[i];
+    res->mapped += k;
+    --res->unbacked;
+    r->unbacked = false;
+    live_chunks_ += k;
+    --unbacked_ranges_;
+    unbacked_chunks_ -= k;
+    unbacked_bytes_ -= nbytes;
+    counters_.reback(nbytes, k * chunk_size_);
+    counters_.note_reserved(reserved_bytes());
+  });
 }
 
 void VirtualAllocator::throw_invalid_pointer(device_ptr ptr, const char* operation) const {
-  std::string why = "not allocated by this allocator";
-  auto it = reservations_.upper_bound(ptr);
-  if (ptr != 0 && it != reservations_.begin()) {
-    const Reservation& res = *std::prev(it)->second;
-    if (ptr < res.base + res.slots * chunk_size_) {
-      const std::size_t slot = (ptr - res.base) / chunk_size_;
-      const Range* r = res.range_covering(slot);
-      if (r == nullptr) {
-        why = "not a live allocation (unmapped address space of this allocator)";
-      } else if (r->state == RangeState::live) {
-        why = "an interior pointer: offset " + std::to_string(ptr - address_of(r)) +
-              " into the live allocation at " + hex(address_of(r)) + " of " +
-              std::to_string(r->requested) + " bytes";
-      } else if (r->state == RangeState::arena) {
-        const ArenaBlock* b = arena_.block_containing(r->arena, ptr);
-        if (b != nullptr && !b->free)
-          why = "an interior pointer: offset " + std::to_string(ptr - b->address()) +
-                " into the live allocation at " + hex(b->address()) + " of " +
-                std::to_string(b->requested) + " bytes";
-        else
-          why = "not a live allocation (free memory of this allocator: already freed?)";
-      } else {
-        why = "not a live allocation (free memory of this allocator: already freed?)";
-      }
-    }
-  }
-  throw InvalidPointer(std::string("VirtualAllocator.") + operation + ": pointer " + hex(ptr) +
-                       " is " + why);
+  ChunkAllocatorCore::throw_invalid_pointer(
+      ptr, operation, reservations_, [&](const Reservation& res, std::size_t offset) -> std::string {
+        const Range* r = res.range_covering(offset / chunk_size_);
+        if (r == nullptr) return "not a live allocation (unmapped address space of this allocator)";
+        if (r->state == RangeState::live) return interior_pointer(ptr, address_of(r), r->requested);
+        if (r->state == RangeState::arena) {
+          const ArenaBlock* b = arena_.block_containing(r->arena, ptr);
+          if (b != nullptr && !b->free) return interior_pointer(ptr, b->address(), b->requested);
+        }
+        return freed_memory;
+      });
 }
 
 }  // namespace vmalloc

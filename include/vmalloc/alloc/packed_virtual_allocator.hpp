@@ -22,33 +22,29 @@
 // Streams: see detail/stream_order.hpp; each hole keeps its freeing stream and work, holes of
 // different busy streams do not merge. Thread-safe: one mutex around every public method.
 // See docs/virtual_allocator.rst, "Packed placement".
+// The steps both placements share (checks, "enough chunks?", errors, stats) are in
+// detail/chunk_allocator_core.hpp; gathering chunks with an undo in detail/chunk_batch.hpp.
 #pragma once
 
 #include <cstddef>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "vmalloc/alloc/allocator.hpp"
-#include "vmalloc/base/detail/allocation_counters.hpp"
-#include "vmalloc/base/detail/flat_ptr_map.hpp"
-#include "vmalloc/chunks/detail/hole_index.hpp"
+#include "vmalloc/alloc/chunk_options.hpp"
+#include "vmalloc/alloc/chunk_stats.hpp"
+#include "vmalloc/alloc/detail/chunk_allocator_core.hpp"
+#include "vmalloc/alloc/detail/chunk_batch.hpp"
 #include "vmalloc/base/detail/node_pool.hpp"
+#include "vmalloc/chunks/detail/hole_index.hpp"
 #include "vmalloc/chunks/detail/packed_space.hpp"
-#include "vmalloc/chunks/detail/stream_order.hpp"
-#include "vmalloc/chunks/physical_chunk_pool.hpp"
-#include "vmalloc/alloc/virtual_allocator.hpp"
 
 namespace vmalloc {
 
-struct PackedVirtualAllocatorOptions {
-  // Bytes per physical chunk; a positive multiple of the device granularity. 0 picks 2 MiB
-  // rounded up to a multiple of the granularity.
-  std::size_t chunk_size = 0;
-  // The most bytes of chunks held at once; 0 = no budget (the device's capacity limits).
-  std::size_t budget = 0;
+// chunk_size and budget: ChunkOptions.
+struct PackedVirtualAllocatorOptions : ChunkOptions {
   // Requests of at most this many bytes are packed in reservations of their own, apart from
   // larger ones, so that small long-lived blocks do not pin chunks among large tensors (as
   // PyTorch's small pool). 0 packs everything together. default_small_threshold: 1 MiB.
@@ -74,34 +70,21 @@ struct PackedVirtualAllocatorOptions {
   double remap_slack = 0.0;
 };
 
-// Detail beyond Stats (VirtualAllocator(placement="packed").packed_stats() in Python).
-struct PackedStats {
-  std::size_t chunk_size = 0;
-  std::size_t small_threshold = 0;
+// Detail beyond Stats (VirtualAllocator(placement="packed").packed_stats() in Python). Of the
+// common fields, chunks_held = live + free_mapped + in_pool, chunks_live are the mapped slots
+// some live block overlaps, free_chunks = free_mapped + in_pool.
+struct PackedStats : CommonChunkStats {
   std::size_t reservation_size = 0;
   bool steal_before_create = true;
   double remap_slack = 0.0;
-  std::size_t budget_bytes = 0;
-  std::size_t chunks_held = 0;          // live + free_mapped + in_pool
-  std::size_t peak_chunks_held = 0;
-  std::size_t chunks_live = 0;          // mapped slots some live block overlaps
   std::size_t chunks_free_mapped = 0;   // mapped slots no live block overlaps
-  std::size_t chunks_in_pool = 0;       // unmapped, in the pool's cache
-  std::size_t free_chunks = 0;          // free_mapped + in_pool
   std::size_t live_blocks = 0;
   std::size_t free_holes = 0;
   std::size_t hole_bytes = 0;           // free bytes inside reservations (mapped or not)
-  std::size_t reservations = 0;
-  std::size_t reserved_address_bytes = 0;
-  std::size_t chunks_created = 0;       // since construction
-  std::size_t chunks_released = 0;
-  std::size_t chunks_stolen = 0;        // unmapped from free slots and remapped elsewhere
   std::size_t fresh_placements = 0;     // blocks moved to a fresh reservation under pressure
-  std::size_t events_created = 0;
-  bool multi_stream = false;
 };
 
-class PackedVirtualAllocator final : public Allocator {
+class PackedVirtualAllocator final : public Allocator, private detail::ChunkAllocatorCore {
  public:
   // Throws InvalidArgument for a null device, a chunk size that is zero or not a multiple of
   // the device granularity, a budget below one chunk, or a reservation size above 2**56.
@@ -115,8 +98,8 @@ class PackedVirtualAllocator final : public Allocator {
   device_ptr allocate(std::size_t nbytes, stream_t stream) override;
   void deallocate(device_ptr ptr, std::size_t nbytes, stream_t stream) override;
   std::size_t release_cached() override;
-  Stats stats() const override;
-  void reset_peak_stats() override;
+  Stats stats() const override { return current_stats(); }
+  void reset_peak_stats() override { reset_peaks(); }
   std::size_t allocation_size(device_ptr ptr) const override;
   std::vector<std::pair<device_ptr, std::size_t>> live_allocations() const override;
   std::string name() const override { return "virtual-packed"; }
@@ -135,6 +118,7 @@ class PackedVirtualAllocator final : public Allocator {
 
  private:
   using Block = detail::PackedBlock;
+  using HoleKind = detail::HoleKind;
   using Reservation = detail::PackedReservation;
   struct Slot {
     Reservation* reservation;
@@ -143,7 +127,10 @@ class PackedVirtualAllocator final : public Allocator {
 
   // All private members run with mutex_ held.
   // A new reservation of at least `bytes` for holes of `kind`, one free hole. Throws.
-  Block* new_reservation(std::size_t bytes, int kind);
+  Block* new_reservation(std::size_t bytes, HoleKind kind);
+  detail::HoleIndex& holes(HoleKind kind) noexcept {
+    return kind == HoleKind::small ? small_holes_ : large_holes_;
+  }
   // Maps chunks into the unmapped slots [first, last] of `res` (pool cache, stolen, created).
   // On failure nothing is mapped there and every chunk obtained is back in the pool (created
   // ones released): reserved bytes as before.
@@ -167,42 +154,27 @@ class PackedVirtualAllocator final : public Allocator {
   void insert_hole(Block* b) noexcept;
   // Frees a reservation with no live block and no mapped slot (not `keep`).
   void drop_reservation_if_empty(Reservation* res, const Reservation* keep = nullptr);
-  // The slot holding byte `offset` of a reservation: a shift for a power-of-two chunk size
-  // (the usual case: a 64-bit division costs tens of cycles, several per cache hit).
-  std::size_t slot_of(std::size_t offset) const noexcept {
-    return chunk_shift_ != 0 ? offset >> chunk_shift_ : offset / chunk_size_;
-  }
   std::size_t slot_first(const Block* b) const noexcept { return slot_of(b->offset); }
   std::size_t slot_last(const Block* b) const noexcept { return slot_of(b->offset + b->size - 1); }
   std::size_t free_mapped_in(const Reservation* res, std::size_t first,
                              std::size_t last) const noexcept;
   std::size_t unmapped_in(const Reservation* res, std::size_t first,
                           std::size_t last) const noexcept;
-  [[noreturn]] void throw_out_of_memory(std::size_t nbytes, const std::string& why);
   [[noreturn]] void throw_invalid_pointer(device_ptr ptr, const char* operation) const;
-  std::size_t reserved_bytes() const noexcept { return pool_.chunks_held() * chunk_size_; }
-  Stats stats_locked() const;
 
-  const std::shared_ptr<Device> device_;
-  const std::size_t chunk_size_;
-  const unsigned chunk_shift_;  // log2(chunk_size_) if a power of two, else 0
   const std::size_t small_threshold_;
   const std::size_t reservation_size_;
   const bool steal_before_create_;
   const double remap_slack_;
-  mutable std::mutex mutex_;
-  PhysicalChunkPool pool_;
-  detail::StreamOrder order_;
   detail::NodePool<Block> blocks_;
-  detail::HoleIndex holes_[2];  // [0]: small requests, [1]: the others
+  detail::HoleIndex small_holes_;  // holes of reservations for requests <= small_threshold_
+  detail::HoleIndex large_holes_;  // those of the others
   std::map<device_ptr, std::unique_ptr<Reservation>> reservations_;
-  detail::FlatPtrMap live_;     // live blocks by address
+  // live_ (ChunkAllocatorCore) values: the live blocks (Block*).
   std::size_t live_slots_ = 0;  // mapped slots with live blocks
   std::size_t peak_live_slots_ = 0;  // the most mapped slots with live blocks at once
   std::size_t free_mapped_ = 0; // mapped slots without
-  std::size_t stolen_ = 0;
   std::size_t fresh_ = 0;
-  detail::AllocationCounters counters_;  // Stats but reserved bytes (the pool's)
 };
 
 }  // namespace vmalloc

@@ -15,33 +15,31 @@
 //
 // Streams: see detail/stream_order.hpp. Thread-safe: one mutex around every public method.
 // See docs/virtual_allocator.rst.
+// The steps both placements share (checks, "enough chunks?", errors, stats) are in
+// detail/chunk_allocator_core.hpp; gathering chunks with an undo in detail/chunk_batch.hpp.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "vmalloc/alloc/allocator.hpp"
-#include "vmalloc/base/detail/allocation_counters.hpp"
-#include "vmalloc/chunks/detail/chunk_range.hpp"
-#include "vmalloc/base/detail/flat_ptr_map.hpp"
+#include "vmalloc/alloc/chunk_options.hpp"
+#include "vmalloc/alloc/chunk_stats.hpp"
+#include "vmalloc/alloc/detail/chunk_allocator_core.hpp"
+#include "vmalloc/alloc/detail/chunk_batch.hpp"
 #include "vmalloc/base/detail/node_pool.hpp"
 #include "vmalloc/base/detail/size_buckets.hpp"
+#include "vmalloc/chunks/detail/chunk_range.hpp"
 #include "vmalloc/chunks/detail/small_block_arena.hpp"
-#include "vmalloc/chunks/detail/stream_order.hpp"
-#include "vmalloc/chunks/physical_chunk_pool.hpp"
 
 namespace vmalloc {
 
-struct VirtualAllocatorOptions {
-  // Bytes per physical chunk; a positive multiple of the device granularity. 0 picks the
-  // default: 2 MiB rounded up to a multiple of the granularity.
-  std::size_t chunk_size = 0;
-  // The most bytes of chunks held at once; 0 = no budget (the device's capacity limits).
-  std::size_t budget = 0;
+// chunk_size and budget: ChunkOptions.
+struct VirtualAllocatorOptions : ChunkOptions {
   // Requests of at most this many bytes are sub-allocated in arena chunks; at most chunk_size;
   // 0 disables sub-allocation. default_small_threshold picks chunk_size / 2: above that the
   // chunk path wastes less than the request itself, below it a chunk would be mostly waste.
@@ -55,40 +53,7 @@ struct VirtualAllocatorOptions {
   bool steal_before_create = false;
 };
 
-// Detail beyond Stats, in chunks (VirtualAllocator.chunk_stats() in Python).
-struct ChunkStats {
-  std::size_t chunk_size = 0;
-  std::size_t small_threshold = 0;
-  std::size_t budget_bytes = 0;
-  std::size_t chunks_held = 0;         // live + cached + in_arenas + in_pool
-  std::size_t peak_chunks_held = 0;
-  std::size_t chunks_live = 0;         // mapped in live (chunk-path) allocations
-  std::size_t chunks_cached = 0;       // mapped in cached ranges, reusable without driver calls
-  std::size_t chunks_in_arenas = 0;    // mapped arena chunks (sub-allocated)
-  std::size_t chunks_in_pool = 0;      // unmapped, in the pool's cache
-  std::size_t free_chunks = 0;         // cached + in_pool + arena chunks without live blocks
-  std::size_t arena_chunks_empty = 0;  // arena chunks without live blocks
-  std::size_t cached_ranges = 0;
-  std::size_t live_ranges = 0;
-  std::size_t live_blocks = 0;         // live small (sub-allocated) allocations
-  std::size_t free_blocks = 0;
-  std::size_t arena_free_bytes = 0;
-  std::size_t reservations = 0;
-  std::size_t reserved_address_bytes = 0;
-  std::size_t chunks_created = 0;      // since construction
-  std::size_t chunks_released = 0;
-  std::size_t chunks_stolen = 0;       // unmapped from cached ranges and remapped elsewhere
-  // Live allocations whose chunks were unmapped (unmap_backing): their ranges stay reserved,
-  // they count in Stats.live_allocations but not in requested/allocated bytes, and their
-  // chunks are back in the pool (chunks_in_pool).
-  std::size_t unbacked_ranges = 0;
-  std::size_t chunks_unbacked = 0;     // chunk slots of those ranges, without chunks
-  std::size_t unbacked_bytes = 0;      // the sizes asked for of those allocations
-  std::size_t events_created = 0;
-  bool multi_stream = false;
-};
-
-class VirtualAllocator final : public Allocator {
+class VirtualAllocator final : public Allocator, private detail::ChunkAllocatorCore {
  public:
   // Throws InvalidArgument for a null device, a chunk size that is zero or not a multiple of
   // the device granularity, a budget below one chunk, or a small threshold above a chunk.
@@ -101,8 +66,8 @@ class VirtualAllocator final : public Allocator {
   device_ptr allocate(std::size_t nbytes, stream_t stream) override;
   void deallocate(device_ptr ptr, std::size_t nbytes, stream_t stream) override;
   std::size_t release_cached() override;
-  Stats stats() const override;
-  void reset_peak_stats() override;
+  Stats stats() const override { return current_stats(); }
+  void reset_peak_stats() override { reset_peaks(); }
   std::size_t allocation_size(device_ptr ptr) const override;
   std::vector<std::pair<device_ptr, std::size_t>> live_allocations() const override;
   std::string name() const override { return "virtual"; }
@@ -152,12 +117,15 @@ class VirtualAllocator final : public Allocator {
   // A new reservation of k chunks, mapped and accessible. Throws OutOfMemory (accounting
   // unchanged), DeviceError.
   Range* map_new_range(std::size_t k, std::size_t nbytes, stream_t stream);
-  // Gathers k chunks into `chunks` (allocate's and map_backing's order: the pool's cache,
-  // stealing first if steal_before_create, new chunks up to `creatable`, then stealing under
-  // pressure). chunks[first_created, first_created + created) were created here (released,
-  // not cached, on undo). Fewer than k only when the device refused chunks it reported free.
-  void gather_chunks(std::size_t k, std::size_t creatable, std::vector<physical_handle>& chunks,
-                     std::size_t& first_created, std::size_t& created);
+  // Fills `batch` in allocate's and map_backing's order (ChunkBatch::gather: the pool's
+  // cache, stealing first if steal_before_create, new chunks, then stealing under pressure).
+  void gather(detail::ChunkBatch& batch);
+  // Maps the full `batch` at `base`, chunk i at slot i, and makes the run accessible (a new
+  // mapping starts inaccessible) with one cuMemSetAccess. `mapped`: how many are mapped, for
+  // the caller's rollback when a call throws.
+  void map_run(device_ptr base, const detail::ChunkBatch& batch, std::size_t& mapped);
+  // Chunks that stealing may free: those of cached ranges and empty arena chunks.
+  std::size_t stealable_chunks() const noexcept { return cached_chunks_ + arena_.empty_chunks(); }
   // Unmaps up to `need` chunks from cached ranges and empty arena chunks into `out`. With
   // `wait` false, only those whose frees' work is done (polled: no host wait) are taken.
   void steal(std::size_t need, std::vector<physical_handle>& out, bool wait);
@@ -165,6 +133,8 @@ class VirtualAllocator final : public Allocator {
   void unmap_tail(Range* range, std::size_t take, std::vector<physical_handle>& out);
   // Puts a free range into the cache, merging it with cached neighbours.
   void cache_range(Range* range) noexcept;
+  // The live_ value at ptr; throws InvalidPointer for a pointer not live here.
+  std::uintptr_t live_value(device_ptr ptr, const char* operation) const;
   // The live chunk-path range at ptr, for the swap primitives; throws InvalidPointer or
   // InvalidArgument (a small block).
   Range* live_range(device_ptr ptr, const char* operation) const;
@@ -174,43 +144,26 @@ class VirtualAllocator final : public Allocator {
   void retire_arena_chunk(detail::ArenaChunk* chunk) noexcept;
   // Frees a reservation if nothing is mapped in it any more.
   void drop_reservation_if_empty(Reservation* reservation);
-  std::size_t chunks_for(std::size_t nbytes) const noexcept {
-    return chunk_shift_ >= 0 ? (nbytes + chunk_size_ - 1) >> chunk_shift_
-                             : (nbytes + chunk_size_ - 1) / chunk_size_;
-  }
   device_ptr address_of(const Range* r) const noexcept {
     return r->reservation->base + r->first * chunk_size_;
   }
-  std::size_t free_chunks() const noexcept;
-  [[noreturn]] void throw_out_of_memory(std::size_t nbytes, const std::string& why);
   [[noreturn]] void throw_invalid_pointer(device_ptr ptr, const char* operation) const;
-  std::size_t reserved_bytes() const noexcept { return pool_.chunks_held() * chunk_size_; }
-  Stats stats_locked() const;
 
-  const std::shared_ptr<Device> device_;
-  const std::size_t chunk_size_;
-  const int chunk_shift_;  // log2(chunk_size_) for a power of two, else -1: k without a divide
   const std::size_t small_threshold_;
   const bool steal_before_create_;
-  mutable std::mutex mutex_;
-  PhysicalChunkPool pool_;
-  detail::StreamOrder order_;
   detail::SmallBlockArena arena_;
   detail::NodePool<Range> ranges_;
   detail::SizeBuckets<Range> cached_;
   std::map<device_ptr, std::unique_ptr<Reservation>> reservations_;
-  // Live allocations by address: a Range* (chunk path) or ArenaBlock* | 1 (small path).
-  detail::FlatPtrMap live_;
+  // live_ (ChunkAllocatorCore) values: a Range* (chunk path) or ArenaBlock* | 1 (small path).
   detail::ArenaChunk* spare_ = nullptr;  // one empty arena chunk kept against churn
   std::size_t cached_chunks_ = 0;
   std::size_t live_chunks_ = 0;
   std::size_t live_ranges_ = 0;
   std::size_t live_blocks_ = 0;
-  std::size_t stolen_ = 0;
   std::size_t unbacked_ranges_ = 0;
   std::size_t unbacked_chunks_ = 0;
   std::size_t unbacked_bytes_ = 0;
-  detail::AllocationCounters counters_;  // Stats but reserved bytes (the pool's)
 };
 
 }  // namespace vmalloc

@@ -20,6 +20,11 @@ namespace vmalloc::detail {
 
 struct PackedReservation;
 
+// Which hole index a reservation's holes live in: requests of at most the small threshold are
+// packed apart from the others, so that small long-lived blocks do not pin chunks among large
+// tensors.
+enum class HoleKind : std::uint8_t { small, large };
+
 // Placement unit of the packed allocator.
 inline constexpr std::size_t packed_block_bytes = 512;
 
@@ -42,7 +47,7 @@ struct PackedBlock {
 struct PackedReservation {
   device_ptr base = 0;
   std::size_t slots = 0;
-  int kind = 0;                             // which hole index its holes live in
+  HoleKind kind = HoleKind::large;          // which hole index its holes live in
   std::vector<physical_handle> handles;     // per slot: the mapped chunk, or 0
   std::vector<std::uint32_t> live;          // per slot: live blocks overlapping it
   std::vector<std::uint8_t> robbed;         // per slot: unmapped by stealing, not mapped since
