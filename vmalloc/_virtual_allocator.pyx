@@ -15,8 +15,8 @@ from vmalloc._lib.alloc.packed_virtual_allocator cimport (
     PackedVirtualAllocatorOptions,
     packed_default_small_threshold,
 )
+from vmalloc._lib.alloc.chunk_stats cimport ChunkStats
 from vmalloc._lib.alloc.virtual_allocator cimport (
-    ChunkStats,
     CVirtualAllocator,
     VirtualAllocatorOptions,
     default_small_threshold,

@@ -4,7 +4,7 @@ from libcpp cimport bool
 from libcpp.memory cimport shared_ptr
 
 from vmalloc._lib.alloc.allocator cimport CAllocator
-from vmalloc._lib.alloc.virtual_allocator cimport ChunkStats
+from vmalloc._lib.alloc.chunk_stats cimport ChunkStats
 from vmalloc._lib.device.device cimport CDevice
 from vmalloc._lib.translate cimport vmalloc_raise_py_error
 
