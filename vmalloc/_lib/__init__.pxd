@@ -2,7 +2,7 @@
 # Python-visible names). The tree mirrors include/vmalloc/: _lib/<layer>/<header>.pxd declares
 # include/vmalloc/<layer>/<header>.hpp, so a header's declarations are found (and changed) in
 # one place, and a .pxd cimports only from its own layer and the layers below it, as the
-# header includes (tests/test_cython_layout.py checks both). The wrapper modules
+# header includes (tests/architecture/test_cython_layout.py checks both). The wrapper modules
 # (vmalloc/_*.pyx) cimport from here; none declares C++ itself.
 #
 # Outside the mirror: translate.pxd (vmalloc/_translate.hpp, the C++ -> Python exception

@@ -23,9 +23,9 @@ from vmalloc.traces import (
 from vmalloc.traces import _normalize, vmtrace
 
 SHARED_SNAPSHOT = (
-    Path(__file__).resolve().parents[2] / "shared" / "traces" / "torch_snapshot_transformer_lm.pickle"
+    Path(__file__).resolve().parents[3] / "shared" / "traces" / "torch_snapshot_transformer_lm.pickle"
 )
-KINETO_FIXTURE = Path(__file__).resolve().parent / "data" / "profiler_cpu_mlp.json"
+KINETO_FIXTURE = Path(__file__).resolve().parents[1] / "data" / "profiler_cpu_mlp.json"
 
 
 def batch_of(rows):

@@ -16,7 +16,7 @@ from vmalloc.traces import EVENT_DTYPE, open_trace
 from vmalloc.traces.events import ALLOC, FREE
 
 MiB = 1 << 20
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def run(capsys, *argv):

@@ -16,7 +16,7 @@ from vmalloc.traces import VmtraceWriter, builtin_traces
 from vmalloc.traces.events import ALLOC, EVENT_DTYPE, FREE
 
 MiB = 1 << 20
-SNAPSHOT = (Path(__file__).resolve().parents[2] / "shared" / "traces"
+SNAPSHOT = (Path(__file__).resolve().parents[3] / "shared" / "traces"
             / "torch_snapshot_transformer_lm.pickle")
 REQUIRED_KEYS = {"trace", "allocator", "events", "peak_requested_bytes",
                  "peak_reserved_bytes", "utilization", "min_capacity_bytes", "driver_calls",

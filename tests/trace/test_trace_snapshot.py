@@ -10,7 +10,7 @@ import pytest
 import vmalloc
 from vmalloc.traces import ALLOC, FREE, open_trace
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces"
 REAL = SHARED / "torch_snapshot_transformer_lm.pickle"
 MiB = 1 << 20
 

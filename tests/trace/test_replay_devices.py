@@ -13,7 +13,7 @@ from vmalloc.replay import replay
 from vmalloc.traces import open_trace, trace_devices
 
 MiB = 1 << 20
-CPU_FIXTURE = Path(__file__).resolve().parent / "data" / "profiler_cpu_mlp.json"
+CPU_FIXTURE = Path(__file__).resolve().parents[1] / "data" / "profiler_cpu_mlp.json"
 
 
 def memory_event(addr, nbytes, device_type=1, device_id=0, ts=0):

@@ -19,7 +19,7 @@ from vmalloc.traces import _fast, open_trace
 
 pytestmark = pytest.mark.skipif(_fast._trace_parse is None, reason="built without _trace_parse")
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 HEADER = "Thread,Time,Action,Pointer,Size,Stream\n"
 
 

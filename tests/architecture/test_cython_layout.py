@@ -1,14 +1,14 @@
 """The Cython layer's layout: C++ is declared only in .pxd files under vmalloc/_lib/, one per
 header, in folders that mirror include/vmalloc/<layer>/ (a file declares its header, and may
 declare others of the same layer); a declaration file cimports only from its own layer and the
-layers below (the rule tests/test_layering.py checks for the headers); the wrapper modules
+layers below (the rule tests/architecture/test_layering.py checks for the headers); the wrapper modules
 (.pyx) declare no C++ themselves."""
 
 import importlib.util
 import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 LIB = ROOT / "vmalloc" / "_lib"
 
 _EXTERN = re.compile(r'^\s*cdef\s+extern\s+from\s+"([^"]+)"', re.M)
@@ -21,7 +21,7 @@ OUTSIDE = {"translate.pxd": "_translate.hpp", "c_api.pxd": "vmalloc/c_api.h",
 
 
 def _ranks():
-    spec = importlib.util.spec_from_file_location("_layering", ROOT / "tests" / "test_layering.py")
+    spec = importlib.util.spec_from_file_location("_layering", ROOT / "tests" / "architecture" / "test_layering.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.RANKS, module.header_layer

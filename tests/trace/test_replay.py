@@ -22,7 +22,7 @@ from vmalloc.stress import trace_peaks
 from vmalloc.traces.events import ALLOC, EVENT_DTYPE, FREE
 
 MiB = 1 << 20
-SNAPSHOT = (Path(__file__).resolve().parents[2] / "shared" / "traces"
+SNAPSHOT = (Path(__file__).resolve().parents[3] / "shared" / "traces"
             / "torch_snapshot_transformer_lm.pickle")
 
 

@@ -6,7 +6,7 @@ below it, never of a layer above it nor of a sibling on the top tier. The driver
 import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 #: Layer -> rank; the top tier's layers share a rank but may not include one another.
 RANKS = {"base": 0, "device": 1, "chunks": 2, "alloc": 3,

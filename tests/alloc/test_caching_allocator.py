@@ -1,7 +1,7 @@
 """CachingAllocator: PyTorch's best-fit caching policy, rule by rule, with exact values.
 
 The generic allocator protocol (data integrity, bad inputs, threads) is tested for every
-allocator in tests/test_allocator_protocol.py; this file tests what is particular to the
+allocator in tests/alloc/test_allocator_protocol.py; this file tests what is particular to the
 caching policy. Most tests run on an unbacked HostDevice (accounting only), so sizes are free.
 """
 
@@ -371,7 +371,7 @@ def test_fragmentation_runs_out_of_memory_with_enough_bytes_free():
 
 # ---- against PyTorch itself ----
 
-SNAPSHOT = (Path(__file__).resolve().parents[2] / "shared" / "traces" /
+SNAPSHOT = (Path(__file__).resolve().parents[3] / "shared" / "traces" /
             "torch_snapshot_transformer_lm.pickle")
 
 

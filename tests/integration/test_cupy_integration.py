@@ -26,7 +26,7 @@ def _env():
     return env
 
 MiB = 1 << 20
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpu" / "cupy_example.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpu" / "cupy_example.py"
 
 
 def _cupy_or_skip():

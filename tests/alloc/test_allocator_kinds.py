@@ -35,7 +35,7 @@ def test_the_list():
 def test_everyone_uses_the_list():
     assert replay.ALLOCATOR_KINDS is allocator_kinds.NAMES
     assert replay.ALLOCATOR_NAMES is allocator_kinds.NAMES
-    conftest = pathlib.Path(__file__).with_name("conftest.py")
+    conftest = pathlib.Path(__file__).resolve().parents[1] / "conftest.py"
     spec = importlib.util.spec_from_file_location("_conftest_copy", conftest)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -28,7 +28,7 @@ def _env():
     return env
 
 MiB = 1 << 20
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpu" / "torch_train_step.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpu" / "torch_train_step.py"
 
 ALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
 FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)

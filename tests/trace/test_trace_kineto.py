@@ -11,7 +11,7 @@ import vmalloc
 from vmalloc.traces import ALLOC, FREE, open_trace, trace_devices
 from vmalloc.traces import _json_stream
 
-FIXTURE = Path(__file__).resolve().parent / "data" / "profiler_cpu_mlp.json"
+FIXTURE = Path(__file__).resolve().parents[1] / "data" / "profiler_cpu_mlp.json"
 
 
 def memory_event(addr, nbytes, device_type=1, device_id=0, ts=0):
