@@ -1,11 +1,14 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """The C++ fast path of the RMM CSV and Kineto JSON readers and of their normalization
-(src/trace/trace_parse.cpp), driven by :mod:`vmalloc.traces._fast`."""
+(src/trace/trace_parse.cpp), and of the PyTorch snapshot reader (a restricted unpickler,
+src/trace/pickle_reader.cpp, and the snapshot's rules, src/trace/torch_snapshot.cpp), driven by
+:mod:`vmalloc.traces._fast`."""
 
-from libc.stdint cimport INT64_MIN, int64_t, uint8_t, uint64_t
+from libc.stdint cimport INT64_MIN, int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 from libcpp cimport bool
 from libcpp.string cimport string
+from libcpp.string_view cimport string_view
 from libcpp.utility cimport pair
 from libcpp.vector cimport vector
 
@@ -22,6 +25,70 @@ from vmalloc._lib.trace.trace_parse cimport (
     Normalizer,
     RmmCsvParser,
 )
+
+
+cdef extern from "vmalloc/trace/pickle_reader.hpp" namespace "vmalloc::trace_parse" nogil:
+    cdef enum Word:
+        w_allocator_settings
+
+    cdef enum PickleKind "vmalloc::trace_parse::PickleValue::Kind":
+        k_none "vmalloc::trace_parse::PickleValue::none"
+        k_boolean "vmalloc::trace_parse::PickleValue::boolean"
+        k_integer "vmalloc::trace_parse::PickleValue::integer"
+        k_big_unsigned "vmalloc::trace_parse::PickleValue::big_unsigned"
+        k_big_integer "vmalloc::trace_parse::PickleValue::big_integer"
+        k_floating "vmalloc::trace_parse::PickleValue::floating"
+        k_str "vmalloc::trace_parse::PickleValue::str"
+        k_bytes "vmalloc::trace_parse::PickleValue::bytes"
+        k_bytearray "vmalloc::trace_parse::PickleValue::bytearray"
+        k_list "vmalloc::trace_parse::PickleValue::list"
+        k_tuple "vmalloc::trace_parse::PickleValue::tuple"
+        k_dict "vmalloc::trace_parse::PickleValue::dict"
+        k_set "vmalloc::trace_parse::PickleValue::set"
+        k_frozenset "vmalloc::trace_parse::PickleValue::frozenset"
+
+    cdef cppclass PickleValue:
+        uint64_t v
+        PickleKind kind
+
+    cpdef enum class PickleStatus "vmalloc::trace_parse::PickleReader::Status":
+        more
+        done
+        bail
+        error
+
+    cdef cppclass PickleReader:
+        PickleReader(uint64_t limit)
+        PickleStatus feed(const char* data, size_t n)
+        PickleStatus finish()
+        const string& error()
+        const PickleValue& root()
+        string_view blob(const PickleValue& v)
+        void values(const PickleValue& c, vector[PickleValue]& out)
+        const PickleValue* find(const PickleValue& d, Word word)
+        bool compact(const PickleValue& v)
+        void clear()
+
+
+cdef extern from "vmalloc/trace/torch_snapshot.hpp" namespace "vmalloc::trace_parse" nogil:
+    cdef cppclass SnapshotDevice:
+        uint64_t entries, records
+        vector[pair[uint32_t, uint64_t]] actions, skipped
+        uint64_t segments
+        int64_t segment_bytes
+        vector[TraceEvent] untouched
+        uint64_t untouched_bytes
+
+    cdef cppclass HistoryDevice "vmalloc::trace_parse::SnapshotHistory::Device":
+        bool is_list
+        uint64_t length
+
+    cdef cppclass SnapshotHistory:
+        bool build(PickleReader& pickle)
+        vector[HistoryDevice] devices
+        vector[string] actions
+        bool select(size_t index, SnapshotDevice& out)
+        void records(const SnapshotDevice& device, size_t first, size_t n, vector[TraceEvent]& out)
 
 
 #: Normalizer::Reason, as _normalize.py words them.
@@ -44,6 +111,215 @@ cdef object _array(const TraceEvent* events, size_t n):
     return out
 
 
+class _Undecided(Exception):
+    """A value the conversion leaves to Python's unpickler (too deep, a tuple in a cycle)."""
+
+
+cdef object _to_python(PickleReader* reader, const PickleValue& v, dict seen, int depth):
+    """The Python object of a value of the pickle's tree (containers by identity, as the
+    memo shared them)."""
+    cdef PickleKind kind = v.kind
+    cdef double d
+    cdef string_view b
+    cdef vector[PickleValue] items
+    cdef size_t i
+    if depth > 100:
+        raise _Undecided()
+    if kind == k_none:
+        return None
+    if kind == k_boolean:
+        return v.v != 0
+    if kind == k_integer:
+        return <int64_t>v.v
+    if kind == k_big_unsigned:
+        return v.v
+    if kind == k_floating:
+        memcpy(&d, &v.v, 8)
+        return d
+    if kind == k_str or kind == k_bytes or kind == k_bytearray or kind == k_big_integer:
+        b = reader.blob(v)
+        raw = b.data()[:b.size()] if b.size() else b""
+        if kind == k_str:
+            return raw.decode("utf-8", "surrogatepass")
+        if kind == k_bytes:
+            return raw
+        if kind == k_bytearray:
+            return bytearray(raw)
+        return int.from_bytes(raw, "little", signed=True)
+    if reader.compact(v):  # kept as a history entry's summary: Python's unpickler decides
+        raise _Undecided()
+    key = (<int>kind, v.v)
+    if key in seen:
+        found = seen[key]
+        if found is _Undecided:  # a tuple that holds itself: Python's unpickler decides
+            raise _Undecided()
+        return found
+    reader.values(v, items)
+    if kind == k_list:
+        out = []
+        seen[key] = out
+        for i in range(items.size()):
+            out.append(_to_python(reader, items[i], seen, depth + 1))
+        return out
+    if kind == k_dict:
+        out = {}
+        seen[key] = out
+        for i in range(0, items.size(), 2):
+            k = _to_python(reader, items[i], seen, depth + 1)
+            out[k] = _to_python(reader, items[i + 1], seen, depth + 1)
+        return out
+    if kind == k_set:
+        out = set()
+        seen[key] = out
+        for i in range(items.size()):
+            out.add(_to_python(reader, items[i], seen, depth + 1))
+        return out
+    seen[key] = _Undecided
+    values = [_to_python(reader, items[i], seen, depth + 1) for i in range(items.size())]
+    out = tuple(values) if kind == k_tuple else frozenset(values)
+    seen[key] = out
+    return out
+
+
+cdef class Snapshot:
+    """A PyTorch memory snapshot read by the C++ unpickler: :meth:`feed` it the file's blocks
+    (a :class:`PickleStatus` each: ``more``, ``done``, ``bail`` where Python's unpickler must
+    decide, ``error`` with :meth:`error`), then :meth:`build`, :meth:`devices` and
+    :meth:`select` a device."""
+
+    cdef PickleReader* reader
+    cdef SnapshotHistory* history
+    #: The snapshot's "allocator_settings" when it is a dict, else None.
+    cdef readonly object allocator_settings
+
+    def __cinit__(self, uint64_t limit):
+        self.reader = new PickleReader(limit)
+        self.history = new SnapshotHistory()
+
+    def __dealloc__(self):
+        del self.reader
+        del self.history
+
+    def feed(self, const uint8_t[::1] block):
+        cdef size_t n = block.shape[0]
+        cdef const char* data = <const char*>&block[0] if n else <const char*>NULL
+        cdef PickleStatus status
+        with nogil:
+            status = self.reader.feed(data, n)
+        return status
+
+    def finish(self):
+        cdef PickleStatus status
+        with nogil:
+            status = self.reader.finish()
+        return status
+
+    def error(self):
+        return self.reader.error().decode("utf-8", "replace")
+
+    def build(self):
+        """After ``done``: the snapshot's history and segments, compacted (the pickle's tree
+        is released); False where the Python reader decides."""
+        cdef bool ok
+        cdef const PickleValue* settings
+        if self.reader.root().kind == k_dict:
+            settings = self.reader.find(self.reader.root(), w_allocator_settings)
+            if settings != NULL and settings.kind == k_dict:
+                try:
+                    self.allocator_settings = _to_python(self.reader, settings[0], {}, 0)
+                except _Undecided:
+                    return False
+        with nogil:
+            ok = self.history.build(self.reader[0])
+            self.reader.clear()
+        return ok
+
+    def devices(self):
+        """``[(is a list, entries)]`` of ``device_traces``."""
+        return [(d.is_list, d.length) for d in self.history.devices]
+
+    def select(self, size_t index):
+        """Device ``index``'s :class:`SnapshotSelection`, or None where the Python reader
+        decides (it raises)."""
+        cdef SnapshotSelection sel = SnapshotSelection()
+        cdef bool ok
+        sel.snapshot = self
+        with nogil:
+            ok = self.history.select(index, sel.device)
+        if not ok:
+            return None
+        names = [a.decode("utf-8", "surrogatepass") for a in self.history.actions]
+        sel.actions = {names[p.first]: p.second for p in sel.device.actions}
+        sel.skipped = {names[p.first]: p.second for p in sel.device.skipped}
+        return sel
+
+
+cdef class SnapshotSelection:
+    """One device of a :class:`Snapshot`: its history's counters, and its raw records (ALLOC /
+    FREE, made from the history entries as they are asked for)."""
+
+    cdef Snapshot snapshot
+    cdef SnapshotDevice device
+    #: ``{action: entries}`` of every action, and of those not replayed, in order of first
+    #: appearance.
+    cdef readonly dict actions, skipped
+
+    def __len__(self):
+        """The raw records."""
+        return self.device.records
+
+    @property
+    def entries(self):
+        """The device's history entries."""
+        return self.device.entries
+
+    @property
+    def segments(self):
+        return self.device.segments
+
+    @property
+    def segment_bytes(self):
+        return self.device.segment_bytes
+
+    @property
+    def untouched_bytes(self):
+        return self.device.untouched_bytes
+
+    cdef void _records(self, size_t first, size_t n, vector[TraceEvent]& out) noexcept nogil:
+        self.snapshot.history.records(self.device, first, n, out)
+
+    def untouched(self):
+        """``{addr: (stream, requested size)}`` of the blocks live at the dump that the
+        history never mentions."""
+        cdef const TraceEvent* e = self.device.untouched.data()
+        cdef size_t i
+        return {e[i].addr: (e[i].stream, e[i].size) for i in range(self.device.untouched.size())}
+
+    def records(self, size_t first=0, size_t n=<size_t>-1):
+        """The raw records of history entries ``[first, first + n)``, as an EVENT_DTYPE
+        array."""
+        cdef vector[TraceEvent] out
+        with nogil:
+            self._records(first, n, out)
+        return _array(out.data(), out.size())
+
+    def before_window(self):
+        """``{addr: (stream, size)}`` of the frees of addresses first seen freed, in order
+        (scan_before_window of the records)."""
+        cdef BeforeWindowScanner scan
+        cdef vector[TraceEvent] chunk
+        cdef size_t first = 0, step = 1 << 16
+        with nogil:
+            while first < self.device.entries:
+                chunk.clear()
+                self._records(first, step, chunk)
+                scan.feed(chunk.data(), chunk.size())
+                first += step
+        cdef const TraceEvent* e = scan.before.data()
+        cdef size_t i
+        return {e[i].addr: (e[i].stream, e[i].size) for i in range(scan.before.size())}
+
+
 cdef class Kept:
     """One device's raw records kept by a pass that counts devices (:meth:`Pass.take_kept`),
     in chunks, with the ``reader_state()`` its own pass would leave (:attr:`state`)."""
@@ -59,7 +335,7 @@ cdef class Kept:
 
 cdef class Pass:
     """One pass over a trace file's raw records: parsed by the C++ reader of ``format``
-    (``"rmm_csv"`` or ``"kineto"``), then normalized (``scan=False``) or scanned for memory
+    (``"rmm_csv"`` or ``"kineto"``; ``"records"``: records parsed elsewhere), then normalized (``scan=False``) or scanned for memory
     live before the window (``scan=True``). :meth:`feed` returns False where the C++ reader
     bails out; :attr:`records` raw records had been taken until then, and the caller goes on
     with the Python reader's records from there (:meth:`feed_records`)."""
@@ -80,6 +356,8 @@ cdef class Pass:
         self.format = format
         if format == "rmm_csv":
             self.csv = new RmmCsvParser()
+        elif format == "records":
+            pass  # raw records from elsewhere (feed_selection, feed_records)
         elif format == "kineto":
             self.kineto = new KinetoScanner(
                 INT64_MIN if want_type is None else <int64_t>want_type, want_id)
@@ -146,6 +424,14 @@ cdef class Pass:
             else:
                 self.before.feed(events, n)
         self.records += n
+
+    def feed_selection(self, SnapshotSelection sel, size_t first, size_t n):
+        """Normalizes (or scans) the raw records of a snapshot device's history entries
+        ``[first, first + n)``."""
+        with nogil:
+            self.raw.clear()
+            sel._records(first, n, self.raw)
+            self._consume()
 
     def feed_kept(self, Kept kept, size_t i):
         """Normalizes (or scans) chunk ``i`` of ``kept``, then frees it."""

@@ -1,6 +1,7 @@
 """The fast path of the text readers (RMM CSV, Kineto JSON): parsing and normalization in C++
 (``src/trace/trace_parse.cpp`` through ``vmalloc._trace_parse``), with the Python readers as the
-reference.
+reference. PyTorch snapshots are read by a restricted unpickler in C++ (:func:`snapshot`) and
+their records normalized by the same C++ pass.
 
 The file is read in blocks of :data:`BLOCK` bytes (through :func:`~vmalloc.traces._files.
 open_binary`, so ``.gz`` is decompressed on the fly; a thread reads a few blocks ahead), so
@@ -24,6 +25,7 @@ import zlib
 
 import numpy as np
 
+from vmalloc.errors import TraceFormatError
 from vmalloc.traces import _normalize
 from vmalloc.traces._files import open_binary
 from vmalloc.traces._record_reader import RecordReaderPass
@@ -46,11 +48,16 @@ KEEP_BYTES = 256 << 20
 file_passes = 0
 _BOM = b"\xef\xbb\xbf"
 _FORMATS = ("rmm_csv", "kineto")
+#: Snapshot history entries normalized per call of the C++ pass (the reading thread yields
+#: between).
+_SNAPSHOT_CHUNK = 1 << 16
 
 
 def available(reader):
     """Whether ``reader``'s passes can take the fast path."""
     index = getattr(reader, "index", None)
+    if getattr(reader, "format", None) == "torch_snapshot":
+        return getattr(reader, "_selection", None) is not None  # read in C++ already
     return (
         _trace_parse is not None
         and getattr(reader, "format", None) in _FORMATS
@@ -62,6 +69,8 @@ def available(reader):
 
 
 def _new_pass(reader, scan):
+    if reader.format == "torch_snapshot":
+        return _trace_parse.Pass("records", 0, -1, scan)
     if reader.format == "kineto":
         index = -1 if reader.index is None else reader.index
         return _trace_parse.Pass("kineto", reader.device_type, index, scan)
@@ -169,6 +178,13 @@ def _blocks(path, fast):
 def _run(reader, fast):
     """Feeds ``fast`` every raw record of the file; yields after each block. Leaves
     ``reader.metadata`` and ``reader.skipped`` as the Python reader's pass would."""
+    if reader.format == "torch_snapshot":  # the device's records, read already
+        selection = reader._selection
+        for start in range(0, selection.entries, _SNAPSHOT_CHUNK):
+            fast.feed_selection(selection, start, _SNAPSHOT_CHUNK)
+            yield
+        reader.skipped = dict(selection.skipped)
+        return
     kept = _take_kept(reader)
     if kept is not None:  # the device count decoded them already
         for i in range(len(kept)):
@@ -219,6 +235,54 @@ def _reader_state(reader, fast, state=None):
     if ooms:
         skipped["oom"] = ooms
     reader.skipped = skipped
+
+
+#: The last snapshot read in C++ for its device list (``((file identity, limit), Snapshot)``),
+#: taken by the reader that opens the file next, so that the command line's ``--device auto``
+#: reads a snapshot once.
+_snapshot = None
+
+
+def snapshot(path, limit, keep=False):
+    """The PyTorch memory snapshot at ``path`` read in C++ (a built ``_trace_parse.Snapshot``),
+    or None where the fast path is off or leaves the file to the Python reader, which then
+    gives the events or words the error: a malformed or truncated pickle, protocol 0, an entry
+    the reader refuses, a read error. Raises TraceFormatError, naming the opcode and its byte
+    offset, for a pickle refused outright: an opcode that loads a class or calls a function,
+    a length past ``limit`` (the decompressed bytes allowed), a memo index far beyond the
+    values stored, a structure past its memory bound.
+
+    The file is read in blocks of :data:`BLOCK` bytes (``.gz`` decompressed on the fly, a
+    thread reading ahead) and nothing after the pickle's STOP is read. ``keep``: the result is
+    kept for the next call on the same file (which takes it)."""
+    global _snapshot, file_passes
+    if _trace_parse is None or os.environ.get("VMALLOC_PYTHON_READERS"):
+        return None
+    key = (_identity(path), limit)
+    found, _snapshot = _snapshot, None
+    if found is not None and key[0] is not None and found[0] == key:
+        return found[1]
+    parsed = _trace_parse.Snapshot(limit)
+    status = more = _trace_parse.PickleStatus.more
+    file_passes += 1
+    with open_binary(path) as f:
+        blocks = _read_blocks(f)
+        try:
+            for buffer, n in blocks:
+                if buffer is None:  # a read error (a corrupt .gz): the Python reader words it
+                    return None
+                status = parsed.feed(memoryview(buffer)[:n]) if n else parsed.finish()
+                if status != more or not n:
+                    break
+        finally:
+            blocks.close()
+    if status == _trace_parse.PickleStatus.error:
+        raise TraceFormatError(parsed.error(), path)
+    if status != _trace_parse.PickleStatus.done or not parsed.build():
+        return None
+    if keep and key[0] is not None:
+        _snapshot = (key, parsed)
+    return parsed
 
 
 def kineto_devices(path):

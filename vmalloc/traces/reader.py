@@ -13,7 +13,7 @@ from vmalloc.traces.events import EVENT_DTYPE
 from vmalloc.traces.info import TraceInfo
 from vmalloc.traces.kineto import KinetoReader
 from vmalloc.traces.rmm_csv import RmmCsvReader
-from vmalloc.traces.torch_snapshot import PICKLE_MAGIC, TorchSnapshotReader, load_snapshot
+from vmalloc.traces.torch_snapshot import PICKLE_MAGIC, TorchSnapshotReader, snapshot_devices
 from vmalloc.traces.vmtrace import MAGIC as VMTRACE_MAGIC
 from vmalloc.traces.vmtrace import VmtraceReader
 
@@ -180,7 +180,7 @@ def trace_devices(path, format=None):
         reader.path = path
         return reader.devices()
     if format == "torch_snapshot":
-        return TorchSnapshotReader._devices(load_snapshot(path)["device_traces"])
+        return snapshot_devices(path)
     return None
 
 

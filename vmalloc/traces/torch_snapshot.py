@@ -16,6 +16,16 @@ recorded with ``skip_actions=["free_completed"]``, or cut off at the end). ``oom
 The history is a ring buffer (``max_entries``): its oldest entries are lost, and memory
 allocated before recording began (weights, optimizer state) never appears. See
 :func:`vmalloc.traces.open_trace` (``before_window``) for what is done with both.
+
+Fast path: the file is read by a restricted unpickler in C++ (``src/trace/pickle_reader.cpp``,
+through :func:`vmalloc.traces._fast.snapshot`) that walks the opcodes once and keeps each
+history entry as four numbers, building no Python object; the snapshot's rules
+(``src/trace/torch_snapshot.cpp``) then give the device's raw records, counters and metadata.
+It takes plain data only and refuses an opcode that loads a class or calls a function
+(``GLOBAL``, ``STACK_GLOBAL``, ``REDUCE``, ...) with an error naming it and its byte offset.
+Anything else it does not decide (an entry the reader would refuse, a protocol 0 pickle, a
+truncated file) is read again by the Python code below, which stays the reference for the
+events, counters, metadata and errors (``VMALLOC_PYTHON_READERS=1`` forces it).
 """
 
 import io
@@ -23,6 +33,7 @@ import pickle
 import zlib
 
 from vmalloc.errors import InvalidArgumentError, TraceFormatError
+from vmalloc.traces import _fast
 from vmalloc.traces._fields import AUTO, only_gpu_device, u64
 from vmalloc.traces._files import CappedReader, open_binary
 from vmalloc.traces._normalize import scan_before_window
@@ -101,6 +112,42 @@ def _unpickle(f, path):
     return snapshot
 
 
+def _device_counts(lengths):
+    """``{"cuda:N": entries}`` of the devices with a history, from ``(is a list, entries)``
+    of each ``device_traces`` item (``{"cuda:0": 0}`` when none has one)."""
+    counts = {f"cuda:{i}": n for i, (is_list, n) in enumerate(lengths) if is_list and n}
+    return counts or ({"cuda:0": 0} if lengths else {})
+
+
+def _lengths(traces):
+    return [(isinstance(t, list), len(t) if isinstance(t, list) else 0) for t in traces]
+
+
+def snapshot_devices(path):
+    """``{device: history entries}`` of the snapshot at ``path`` (the devices with a
+    history). The C++ reading is kept for the :class:`TorchSnapshotReader` that follows."""
+    parsed = _fast.snapshot(path, MAX_SNAPSHOT_BYTES, keep=True)
+    if parsed is not None:
+        return _device_counts(parsed.devices())
+    return _device_counts(_lengths(load_snapshot(path)["device_traces"]))
+
+
+def _chosen_device(lengths, kind, index, path):
+    """The ordinal to read: the only device with a history for ``"auto"``; raises where the
+    snapshot has no such device (the same errors on both paths)."""
+    if kind == AUTO:
+        index = int(only_gpu_device(_device_counts(lengths), path).split(":")[1])
+    if index >= len(lengths):
+        raise TraceFormatError(
+            f"the snapshot has no device {index}: it records "
+            + (f"devices 0..{len(lengths) - 1}" if lengths else "no device"),
+            path,
+        )
+    if not lengths[index][0]:
+        raise TraceFormatError(f"device_traces[{index}] is not a list", path)
+    return index
+
+
 class TorchSnapshotReader:
     """The events of one device of a PyTorch memory snapshot."""
 
@@ -113,39 +160,45 @@ class TorchSnapshotReader:
                 f"a PyTorch memory snapshot holds CUDA devices only, not {kind!r}"
             )
         self.path = path
+        #: The device's history read in C++ (a ``_trace_parse.SnapshotSelection``), or None
+        #: where the Python code below reads the snapshot.
+        self._selection = None
+        parsed = _fast.snapshot(path, MAX_SNAPSHOT_BYTES)
+        if parsed is not None:
+            lengths = parsed.devices()
+            index = _chosen_device(lengths, kind, index, path)
+            selection = parsed.select(index)
+            if selection is not None:
+                self._open(index, lengths)
+                self._selection = selection
+                self.skipped = {}
+                untouched = selection.untouched()
+                self.metadata = self._metadata_of(
+                    selection.entries, selection.actions, len(lengths), selection.segments,
+                    selection.segment_bytes, len(untouched), selection.untouched_bytes,
+                    parsed.allocator_settings)
+                return
         snapshot = load_snapshot(path)
         traces = snapshot["device_traces"]
-        if kind == AUTO:
-            # The only device with a history (a rank's snapshot lists the others empty).
-            index = int(only_gpu_device(self._devices(traces), path).split(":")[1])
-        #: The device whose events are read, ``"cuda:N"``.
-        self.device = f"cuda:{index}"
-        if index >= len(traces):
-            raise TraceFormatError(
-                f"the snapshot has no device {index}: it records "
-                + (f"devices 0..{len(traces) - 1}" if traces else "no device"),
-                path,
-            )
-        entries = traces[index]
-        if not isinstance(entries, list):
-            raise TraceFormatError(f"device_traces[{index}] is not a list", path)
-        self.index = index
-        self.entries = entries
-        self._all_traces = traces
+        lengths = _lengths(traces)
+        index = _chosen_device(lengths, kind, index, path)
+        self._open(index, lengths)
+        self.entries = traces[index]
         self.segments = snapshot.get("segments") or []
         if not isinstance(self.segments, list):
             raise TraceFormatError("'segments' is not a list", path)
         self._effective_requests = self._free_requests_without_completion()
         self.metadata = self._metadata(snapshot)
 
-    @staticmethod
-    def _devices(traces):
-        counts = {f"cuda:{i}": len(t) for i, t in enumerate(traces) if isinstance(t, list) and t}
-        return counts or ({"cuda:0": 0} if traces else {})
+    def _open(self, index, lengths):
+        #: The device whose events are read, ``"cuda:N"``.
+        self.device = f"cuda:{index}"
+        self.index = index
+        self._device_counts = _device_counts(lengths)
 
     def devices(self):
         """``{device: history entries}`` of the devices with a history."""
-        return self._devices(self._all_traces)
+        return dict(self._device_counts)
 
     def _entry(self, i):
         entry = self.entries[i]
@@ -182,6 +235,10 @@ class TorchSnapshotReader:
 
     def records(self):
         """``(op, stream, addr, size)`` for every alloc and free, in trace order."""
+        if self._selection is not None:
+            yield from map(tuple, self._selection.records().tolist())
+            self.skipped = dict(self._selection.skipped)
+            return
         path = self.path
         effective = self._effective_requests
         skipped = {}
@@ -203,7 +260,7 @@ class TorchSnapshotReader:
 
     def live_blocks(self):
         """``{addr: (stream, requested size)}`` of the blocks of this device that were in
-        use when the snapshot was taken."""
+        use when the snapshot was taken (read by the Python code only)."""
         blocks = {}
         for s, segment in enumerate(self.segments):
             if not isinstance(segment, dict):
@@ -237,8 +294,13 @@ class TorchSnapshotReader:
     def live_before(self):
         """Memory allocated before the window, for ``before_window="live"``: the addresses
         freed in the window without being allocated in it, then the blocks live throughout."""
-        before = scan_before_window(self.records())
-        for addr, value in self._untouched_live_blocks().items():
+        if self._selection is not None:
+            before = self._selection.before_window()
+            untouched = self._selection.untouched()
+        else:
+            before = scan_before_window(self.records())
+            untouched = self._untouched_live_blocks()
+        for addr, value in untouched.items():
             before.setdefault(addr, value)
         return before
 
@@ -260,16 +322,24 @@ class TorchSnapshotReader:
                 size = segment.get("total_size", 0)
                 segment_bytes += size if type(size) is int else 0
         untouched = self._untouched_live_blocks()
-        metadata = {
-            "trace_entries": len(self.entries),
-            "actions": actions,
-            "devices": len(snapshot["device_traces"]),
-            "segments": segment_count,
-            "segment_bytes": segment_bytes,
-            "live_before_window_blocks": len(untouched),
-            "live_before_window_bytes": sum(size for _, size in untouched.values()),
-        }
         settings = snapshot.get("allocator_settings")
-        if isinstance(settings, dict):
+        return self._metadata_of(
+            len(self.entries), actions, len(snapshot["device_traces"]), segment_count,
+            segment_bytes, len(untouched), sum(size for _, size in untouched.values()),
+            settings if isinstance(settings, dict) else None)
+
+    @staticmethod
+    def _metadata_of(entries, actions, devices, segments, segment_bytes, untouched,
+                     untouched_bytes, settings):
+        metadata = {
+            "trace_entries": entries,
+            "actions": actions,
+            "devices": devices,
+            "segments": segments,
+            "segment_bytes": segment_bytes,
+            "live_before_window_blocks": untouched,
+            "live_before_window_bytes": untouched_bytes,
+        }
+        if settings is not None:
             metadata["allocator_settings"] = settings
         return metadata

@@ -1,0 +1,747 @@
+// The restricted unpickler: see include/vmalloc/trace/pickle_reader.hpp. Each opcode below
+// follows CPython's C unpickler (Modules/_pickle.c), where it bails out instead of raising.
+#include "vmalloc/trace/pickle_reader.hpp"
+
+#include <cstring>
+
+namespace vmalloc::trace_parse {
+namespace {
+
+// Python's pickle.HIGHEST_PROTOCOL: a higher PROTO is an error there.
+constexpr unsigned highest_protocol = 5;
+// A memo index further than this beyond twice the values stored so far is refused: Python's
+// pickler numbers them densely, and CPython's unpickler would size its memo to twice the index.
+constexpr std::uint64_t memo_slack = 1u << 16;
+
+struct WordName {
+  const char* text;
+  std::size_t size;
+};
+constexpr WordName word_names[n_words] = {
+    {"", 0},
+    {"device_traces", 13},
+    {"segments", 8},
+    {"allocator_settings", 18},
+    {"action", 6},
+    {"addr", 4},
+    {"size", 4},
+    {"stream", 6},
+    {"device", 6},
+    {"blocks", 6},
+    {"total_size", 10},
+    {"state", 5},
+    {"address", 7},
+    {"requested_size", 14},
+    {"alloc", 5},
+    {"free_requested", 14},
+    {"free_completed", 14},
+    {"active_allocated", 16},
+    {"active_pending_free", 19},
+    {"active_awaiting_free", 20},
+};
+
+std::uint8_t word_of(const unsigned char* p, std::uint64_t n) {
+  if (n > 20) return w_other;
+  for (std::uint8_t w = 1; w < n_words; ++w)
+    if (word_names[w].size == n && std::memcmp(word_names[w].text, p, n) == 0) return w;
+  return w_other;
+}
+
+// UTF-8 as Python decodes a pickled str ('surrogatepass': encoded surrogates are accepted; no
+// overlong forms, nothing past U+10FFFF).
+bool valid_utf8(const unsigned char* p, std::uint64_t n) {
+  std::uint64_t i = 0;
+  constexpr std::uint64_t highs = 0x8080808080808080ull;
+  while (i < n) {
+    if (i + 8 <= n) {
+      std::uint64_t x;
+      std::memcpy(&x, p + i, 8);
+      if ((x & highs) == 0) {
+        i += 8;
+        continue;
+      }
+    }
+    unsigned c = p[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    std::uint64_t len;
+    unsigned lo = 0x80, hi = 0xBF;
+    if (c >= 0xC2 && c <= 0xDF) {
+      len = 2;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      len = 3;
+      if (c == 0xE0) lo = 0xA0;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      len = 4;
+      if (c == 0xF0) lo = 0x90;
+      if (c == 0xF4) hi = 0x8F;
+    } else {
+      return false;
+    }
+    if (i + len > n) return false;
+    if (p[i + 1] < lo || p[i + 1] > hi) return false;
+    for (std::uint64_t k = 2; k < len; ++k)
+      if (p[i + k] < 0x80 || p[i + k] > 0xBF) return false;
+    i += len;
+  }
+  return true;
+}
+
+inline std::uint64_t le(const unsigned char* p, int n) {
+  std::uint64_t v = 0;
+  for (int i = n - 1; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+const char* opcode_name(unsigned char op) {
+  switch (op) {
+    case 'c': return "GLOBAL";
+    case 0x93: return "STACK_GLOBAL";
+    case 'i': return "INST";
+    case 'o': return "OBJ";
+    case 'R': return "REDUCE";
+    case 0x81: return "NEWOBJ";
+    case 0x92: return "NEWOBJ_EX";
+    case 0x82: return "EXT1";
+    case 0x83: return "EXT2";
+    case 0x84: return "EXT4";
+    case 'P': return "PERSID";
+    case 'Q': return "BINPERSID";
+    case 'X': return "BINUNICODE";
+    case 0x8d: return "BINUNICODE8";
+    case 'T': return "BINSTRING";
+    case 'B': return "BINBYTES";
+    case 0x8e: return "BINBYTES8";
+    case 0x96: return "BYTEARRAY8";
+    case 0x8b: return "LONG4";
+    case 0x95: return "FRAME";
+    case 'r': return "LONG_BINPUT";
+    case 'q': return "BINPUT";
+    case 0x94: return "MEMOIZE";
+    default: return "opcode";
+  }
+}
+
+std::string thousands(std::uint64_t v) {
+  std::string digits = std::to_string(v), out;
+  for (std::size_t i = 0; i < digits.size(); ++i) {
+    if (i && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+}  // namespace
+
+PickleReader::PickleReader(std::uint64_t limit) : limit_(limit) {
+  runs_.push_back(PickleRun());  // run 0 means "none"
+}
+
+PickleReader::Status PickleReader::fail(const char* what, std::size_t at) {
+  error_ = "not a PyTorch memory snapshot: ";
+  error_ += what;
+  error_ += " (byte " + std::to_string(base_ + at) + ")";
+  return status_ = Status::error;
+}
+
+PickleReader::Status PickleReader::refuse(unsigned char op, std::size_t at,
+                                          std::string_view module, std::string_view name) {
+  error_ = "not a PyTorch memory snapshot: refusing to load ";
+  if (!module.empty() || !name.empty()) {
+    error_.append(module.substr(0, 100)).append(".").append(name.substr(0, 100));
+  } else {
+    error_ += "a class or call a function";
+  }
+  error_ += " (" + std::string(opcode_name(op)) + " at byte " + std::to_string(base_ + at) +
+            "): a memory snapshot holds plain data only, and this could run code";
+  return status_ = Status::error;
+}
+
+PickleReader::Status PickleReader::too_long(unsigned char op, std::size_t at, std::uint64_t size) {
+  error_ = "the snapshot asks for " + thousands(size) + " more bytes (" + opcode_name(op) +
+           " at byte " + std::to_string(base_ + at) + "), past vmalloc's limit of " +
+           thousands(limit_) + " bytes: refusing to read it";
+  return status_ = Status::error;
+}
+
+PickleValue PickleReader::new_container(PickleValue::Kind kind) {
+  PickleValue v;
+  v.kind = kind;
+  v.v = containers_.size();
+  v.hashable = kind == PickleValue::tuple || kind == PickleValue::frozenset;
+  containers_.push_back(PickleContainer());
+  return v;
+}
+
+PickleValue PickleReader::new_blob(PickleValue::Kind kind, const unsigned char* p,
+                                   std::uint64_t n) {
+  PickleValue v;
+  v.kind = kind;
+  v.v = blobs_.size();
+  v.hashable = kind != PickleValue::bytearray;
+  if (kind == PickleValue::str) v.word = word_of(p, n);
+  blobs_.push_back({chars_.size(), n});
+  chars_.append(reinterpret_cast<const char*>(p), n);
+  return v;
+}
+
+void PickleReader::add(std::uint64_t c, std::size_t from) {
+  std::size_t n = stack_.size() - from;
+  PickleContainer& box = containers_[c];
+  PickleRun& tail = runs_[box.last];
+  if (box.last != 0 && tail.start + tail.count == values_.size()) {
+    tail.count += n;  // the container's last run ends the arena: extend it in place
+  } else {
+    PickleRun run;
+    run.start = values_.size();
+    run.count = n;
+    std::uint64_t r = runs_.size();
+    runs_.push_back(run);
+    if (box.last != 0) runs_[box.last].next = r;
+    else box.first = r;
+    box.last = r;
+  }
+  box.count += n;
+  for (std::size_t i = from; i < stack_.size(); ++i) values_.push_back(stack_[i]);
+  stack_.resize(from);
+}
+
+namespace {
+
+// `v` as the snapshot reader's u64(): an int (not a bool) in [0, 2**64).
+inline bool u64_value(const PickleValue& v, std::uint64_t& out) {
+  if (v.kind == PickleValue::big_unsigned ||
+      (v.kind == PickleValue::integer && static_cast<std::int64_t>(v.v) >= 0)) {
+    out = v.v;
+    return true;
+  }
+  out = 0;
+  return false;
+}
+
+}  // namespace
+
+std::uint32_t PickleReader::action_id(const PickleValue& str) {
+  if (str.word == w_alloc) return 0;
+  if (str.word == w_free_requested) return 1;
+  if (str.word == w_free_completed) return 2;
+  std::string name(blob(str));
+  auto [it, inserted] = action_ids_.try_emplace(name, static_cast<std::uint32_t>(actions_.size()));
+  if (inserted) actions_.push_back(std::move(name));
+  return it->second;
+}
+
+void PickleReader::set_items(std::uint64_t c, std::size_t from) {
+  PickleContainer& box = containers_[c];
+  if (!box.compact && box.count == 0) {
+    for (std::size_t i = from; i < stack_.size(); i += 2) {
+      if (stack_[i].kind == PickleValue::str && stack_[i].word == w_action) {
+        box.compact = 1;  // a history entry: kept as its summary
+        box.first = entries_.size();
+        entries_.push_back(SnapshotEntry());
+        break;
+      }
+    }
+  }
+  if (!box.compact) {
+    add(c, from);
+    return;
+  }
+  SnapshotEntry& e = entries_[box.first];
+  for (std::size_t i = from; i < stack_.size(); i += 2) {
+    const PickleValue& key = stack_[i];
+    const PickleValue& value = stack_[i + 1];
+    if (key.kind != PickleValue::str) continue;
+    std::uint8_t bit;
+    switch (key.word) {
+      case w_action:
+        if (value.kind == PickleValue::str) {
+          e.action = action_id(value);
+          e.flags |= SnapshotEntry::has_action;
+        } else {
+          e.flags &= static_cast<std::uint8_t>(~SnapshotEntry::has_action);
+        }
+        continue;
+      case w_addr: bit = u64_value(value, e.addr) ? SnapshotEntry::addr_ok : 0; break;
+      case w_size: bit = u64_value(value, e.size) ? SnapshotEntry::size_ok : 0; break;
+      case w_stream: bit = u64_value(value, e.stream) ? SnapshotEntry::stream_ok : 0; break;
+      default: continue;
+    }
+    std::uint8_t mask = key.word == w_addr   ? SnapshotEntry::addr_ok
+                        : key.word == w_size ? SnapshotEntry::size_ok
+                                             : SnapshotEntry::stream_ok;
+    e.flags = static_cast<std::uint8_t>((e.flags & ~mask) | bit);
+  }
+  box.count += stack_.size() - from;
+  stack_.resize(from);
+}
+
+bool PickleReader::put(std::uint64_t index, std::size_t at, Status& status) {
+  if (stack_.size() <= fence()) return false;  // stack underflow
+  if (index >= memo_.size()) {
+    if (index > 2 * puts_ + memo_slack) {
+      status = fail(("memo index " + std::to_string(index) + " is far beyond the " +
+                     std::to_string(memo_len_) +
+                     " values stored so far (a pickle Python writes numbers them in order)")
+                        .c_str(),
+                    at);
+      return false;
+    }
+    memo_.grow_to(index + 1);
+  }
+  if (memo_[index].kind == PickleValue::unset) ++memo_len_;
+  memo_[index] = stack_.back();
+  ++puts_;
+  return true;
+}
+
+const PickleValue* PickleReader::find(const PickleValue& dict, Word word) const {
+  const PickleValue* found = nullptr;
+  if (containers_[dict.v].compact) return nullptr;
+  for (std::uint64_t r = containers_[dict.v].first; r != 0; r = runs_[r].next) {
+    const PickleRun& run = runs_[r];
+    for (std::uint64_t i = 0; i + 1 < run.count; i += 2) {
+      const PickleValue& k = values_[run.start + i];
+      if (k.kind == PickleValue::str && k.word == word) found = &values_[run.start + i + 1];
+    }
+  }
+  return found;
+}
+
+bool PickleReader::truthy(const PickleValue& v) const {
+  switch (v.kind) {
+    case PickleValue::none: return false;
+    case PickleValue::boolean:
+    case PickleValue::integer:
+    case PickleValue::big_unsigned: return v.v != 0;
+    case PickleValue::big_integer: return true;  // kept only when it does not fit 64 bits
+    case PickleValue::floating: {
+      double d;
+      std::memcpy(&d, &v.v, 8);
+      return d != 0;  // NaN is true
+    }
+    case PickleValue::str:
+    case PickleValue::bytes:
+    case PickleValue::bytearray: return blobs_[v.v].size != 0;
+    case PickleValue::unset: return false;
+    default: return containers_[v.v].count != 0;
+  }
+}
+
+std::uint64_t PickleReader::memory() const {
+  return buf_.capacity() + stack_.capacity() * sizeof(PickleValue) +
+         marks_.capacity() * sizeof(std::size_t) + memo_.memory() + values_.memory() +
+         runs_.memory() + containers_.memory() + blobs_.memory() + chars_.capacity() +
+         entries_.memory();
+}
+
+void PickleReader::clear() {
+  std::string().swap(buf_);
+  std::vector<PickleValue>().swap(stack_);
+  std::vector<std::size_t>().swap(marks_);
+  memo_.clear();
+  values_.clear();
+  runs_.clear();
+  containers_.clear();
+  blobs_.clear();
+  std::string().swap(chars_);
+  entries_.clear();
+  root_ = PickleValue();
+}
+
+PickleReader::Status PickleReader::feed(const char* data, std::size_t n) {
+  if (status_ != Status::more) return status_;
+  received_ += n;
+  if (stopped_) {  // only waiting for the end of the last frame
+    if (received_ >= frame_end_) status_ = Status::done;
+    return status_;
+  }
+  if (pos_ > 0) {
+    buf_.erase(0, pos_);
+    base_ += pos_;
+    pos_ = 0;
+  }
+  buf_.append(data, n);
+  Status s = run();
+  if (s == Status::more && memory() > memory_budget(received_)) {
+    error_ = "not a PyTorch memory snapshot: its structure takes more than " +
+             thousands(memory_budget(received_)) + " bytes of memory after " +
+             thousands(received_) + " bytes of pickle; refusing to read it";
+    status_ = Status::error;
+  }
+  return status_;
+}
+
+PickleReader::Status PickleReader::finish() {
+  if (status_ != Status::more) return status_;
+  eof_ = true;
+  if (stopped_) return status_ = Status::bail;  // the last frame is cut: Python says so
+  run();
+  if (status_ == Status::more) status_ = Status::bail;  // truncated
+  return status_;
+}
+
+PickleReader::Status PickleReader::run() {
+  const unsigned char* d = reinterpret_cast<const unsigned char*>(buf_.data());
+  const std::size_t n = buf_.size();
+  std::size_t p = pos_;
+  // Bytes the opcode at p needs: if they are not here yet, wait for the next block (or, at the
+  // end of the file, let Python's unpickler word the truncation).
+#define NEED(k)                                                \
+  do {                                                         \
+    if (n - p < static_cast<std::size_t>(k)) {                 \
+      pos_ = p;                                                \
+      return status_ = eof_ ? Status::bail : Status::more;     \
+    }                                                          \
+  } while (0)
+#define BAIL()                        \
+  do {                                \
+    pos_ = p;                         \
+    return status_ = Status::bail;    \
+  } while (0)
+  // A length-prefixed argument: refused before it is buffered if it passes the limit.
+#define LENGTH(header, size)                                                          \
+  do {                                                                                \
+    std::uint64_t avail_ = limit_ > base_ + p + (header) ? limit_ - base_ - p - (header) : 0; \
+    if ((size) > avail_) {                                                            \
+      pos_ = p;                                                                       \
+      return too_long(op, p, size);                                                   \
+    }                                                                                 \
+    NEED((header) + (size));                                                          \
+  } while (0)
+
+  for (;;) {
+    if (p >= n) {
+      pos_ = p;
+      if (base_ + p > limit_) {
+        error_ = "the snapshot is larger than vmalloc's limit of " + thousands(limit_) +
+                 " bytes (decompressed): refusing to read it";
+        return status_ = Status::error;
+      }
+      return status_ = eof_ ? Status::bail : Status::more;
+    }
+    const unsigned char op = d[p];
+    switch (op) {
+      case 0x80: {  // PROTO
+        NEED(2);
+        if (d[p + 1] > highest_protocol) BAIL();
+        p += 2;
+        break;
+      }
+      case 0x95: {  // FRAME: CPython reads the whole frame at once; its opcodes follow
+        NEED(9);
+        std::uint64_t size = le(d + p + 1, 8);
+        std::uint64_t avail = limit_ > base_ + p + 9 ? limit_ - base_ - p - 9 : 0;
+        if (size > avail) return too_long(op, p, size);
+        frame_end_ = base_ + p + 9 + size;
+        p += 9;
+        break;
+      }
+      case '.': {  // STOP
+        if (stack_.size() <= fence()) BAIL();
+        root_ = stack_.back();
+        pos_ = p + 1;
+        stopped_ = true;
+        status_ = received_ >= frame_end_ ? Status::done : Status::more;
+        if (status_ == Status::more && eof_) status_ = Status::bail;
+        return status_;
+      }
+      case '(':  // MARK
+        marks_.push_back(stack_.size());
+        ++p;
+        break;
+      case '0':  // POP: a MARK on top goes first
+        if (!marks_.empty() && marks_.back() == stack_.size()) {
+          marks_.pop_back();
+        } else {
+          if (stack_.size() <= fence()) BAIL();
+          stack_.pop_back();
+        }
+        ++p;
+        break;
+      case '1':  // POP_MARK
+        if (marks_.empty()) BAIL();
+        stack_.resize(marks_.back());
+        marks_.pop_back();
+        ++p;
+        break;
+      case '2':  // DUP
+        if (stack_.size() <= fence()) BAIL();
+        stack_.push_back(stack_.back());
+        ++p;
+        break;
+      case 'N': {
+        PickleValue v;
+        v.kind = PickleValue::none;
+        stack_.push_back(v);
+        ++p;
+        break;
+      }
+      case 0x88:    // NEWTRUE
+      case 0x89: {  // NEWFALSE
+        PickleValue v;
+        v.kind = PickleValue::boolean;
+        v.v = op == 0x88;
+        stack_.push_back(v);
+        ++p;
+        break;
+      }
+      case 'J': {  // BININT
+        NEED(5);
+        PickleValue v;
+        v.kind = PickleValue::integer;
+        v.v = static_cast<std::uint64_t>(
+            static_cast<std::int64_t>(static_cast<std::int32_t>(le(d + p + 1, 4))));
+        stack_.push_back(v);
+        p += 5;
+        break;
+      }
+      case 'K':    // BININT1
+      case 'M': {  // BININT2
+        int k = op == 'K' ? 1 : 2;
+        NEED(1 + k);
+        PickleValue v;
+        v.kind = PickleValue::integer;
+        v.v = le(d + p + 1, k);
+        stack_.push_back(v);
+        p += 1 + k;
+        break;
+      }
+      case 0x8a:    // LONG1
+      case 0x8b: {  // LONG4
+        std::size_t header = op == 0x8a ? 2 : 5;
+        NEED(header);
+        std::uint64_t size;
+        if (op == 0x8a) {
+          size = d[p + 1];
+        } else {
+          std::int64_t s = static_cast<std::int32_t>(le(d + p + 1, 4));
+          if (s < 0) BAIL();  // "LONG pickle has negative byte count"
+          size = static_cast<std::uint64_t>(s);
+          LENGTH(header, size);
+        }
+        NEED(header + size);
+        const unsigned char* b = d + p + header;
+        // The value, whatever the encoding's length: drop the redundant sign bytes.
+        std::uint64_t len = size;
+        bool negative = len && (b[len - 1] & 0x80);
+        while (len > 1 && b[len - 1] == (negative ? 0xFF : 0x00) &&
+               ((b[len - 2] & 0x80) != 0) == negative)
+          --len;
+        PickleValue v;
+        if (len == 0) {
+          v.kind = PickleValue::integer;
+        } else if (len <= 8) {
+          std::uint64_t x = le(b, static_cast<int>(len));
+          if (negative && len < 8) x |= ~std::uint64_t{0} << (8 * len);
+          v.kind = PickleValue::integer;
+          v.v = x;
+        } else if (len == 9 && !negative && b[8] == 0) {
+          v.kind = PickleValue::big_unsigned;  // [2**63, 2**64)
+          v.v = le(b, 8);
+        } else {
+          v = new_blob(PickleValue::big_integer, b, len);
+        }
+        stack_.push_back(v);
+        p += header + size;
+        break;
+      }
+      case 'G': {  // BINFLOAT: big-endian
+        NEED(9);
+        std::uint64_t bits = 0;
+        for (int i = 1; i <= 8; ++i) bits = (bits << 8) | d[p + i];
+        PickleValue v;
+        v.kind = PickleValue::floating;
+        v.v = bits;
+        stack_.push_back(v);
+        p += 9;
+        break;
+      }
+      case 0x8c:  // SHORT_BINUNICODE
+      case 'X':   // BINUNICODE
+      case 0x8d:  // BINUNICODE8
+      case 'U':   // SHORT_BINSTRING (a Python 2 str: decoded as ASCII)
+      case 'T':   // BINSTRING
+      case 'C':   // SHORT_BINBYTES
+      case 'B':   // BINBYTES
+      case 0x8e:  // BINBYTES8
+      case 0x96: {  // BYTEARRAY8
+        int k = (op == 0x8c || op == 'U' || op == 'C') ? 1
+                : (op == 0x8d || op == 0x8e || op == 0x96) ? 8 : 4;
+        NEED(1 + k);
+        std::uint64_t size = le(d + p + 1, k);
+        if (op == 'T' && static_cast<std::int32_t>(size) < 0) BAIL();  // negative byte count
+        LENGTH(1 + static_cast<std::size_t>(k), size);
+        const unsigned char* b = d + p + 1 + k;
+        PickleValue v;
+        if (op == 0x8c || op == 'X' || op == 0x8d) {
+          if (!valid_utf8(b, size)) BAIL();
+          v = new_blob(PickleValue::str, b, size);
+        } else if (op == 'U' || op == 'T') {
+          for (std::uint64_t i = 0; i < size; ++i)
+            if (b[i] >= 0x80) BAIL();
+          v = new_blob(PickleValue::str, b, size);
+        } else {
+          v = new_blob(op == 0x96 ? PickleValue::bytearray : PickleValue::bytes, b, size);
+        }
+        stack_.push_back(v);
+        p += 1 + k + size;
+        break;
+      }
+      case ']':  // EMPTY_LIST
+        stack_.push_back(new_container(PickleValue::list));
+        ++p;
+        break;
+      case '}':  // EMPTY_DICT
+        stack_.push_back(new_container(PickleValue::dict));
+        ++p;
+        break;
+      case ')':  // EMPTY_TUPLE
+        stack_.push_back(new_container(PickleValue::tuple));
+        ++p;
+        break;
+      case 0x8f:  // EMPTY_SET
+        stack_.push_back(new_container(PickleValue::set));
+        ++p;
+        break;
+      case 'l':     // LIST
+      case 't':     // TUPLE
+      case 'd':     // DICT
+      case 0x91: {  // FROZENSET
+        if (marks_.empty()) BAIL();  // "could not find MARK"
+        std::size_t from = marks_.back();
+        marks_.pop_back();
+        PickleValue::Kind kind = op == 'l' ? PickleValue::list
+                                 : op == 't' ? PickleValue::tuple
+                                 : op == 'd' ? PickleValue::dict : PickleValue::frozenset;
+        if (kind == PickleValue::dict) {
+          if ((stack_.size() - from) % 2) BAIL();
+          for (std::size_t i = from; i < stack_.size(); i += 2)
+            if (!stack_[i].hashable) BAIL();
+        }
+        bool all_hashable = true;
+        for (std::size_t i = from; i < stack_.size(); ++i) all_hashable &= stack_[i].hashable;
+        if (kind == PickleValue::frozenset && !all_hashable) BAIL();
+        PickleValue v = new_container(kind);
+        if (kind == PickleValue::tuple) v.hashable = all_hashable;
+        if (stack_.size() > from) {
+          if (kind == PickleValue::dict) set_items(v.v, from);
+          else add(v.v, from);
+        }
+        stack_.push_back(v);
+        ++p;
+        break;
+      }
+      case 0x85:    // TUPLE1
+      case 0x86:    // TUPLE2
+      case 0x87: {  // TUPLE3
+        std::size_t k = op - 0x84u;
+        if (stack_.size() < k || stack_.size() - k < fence()) BAIL();
+        std::size_t from = stack_.size() - k;
+        PickleValue v = new_container(PickleValue::tuple);
+        for (std::size_t i = from; i < stack_.size(); ++i) v.hashable &= stack_[i].hashable;
+        add(v.v, from);
+        stack_.push_back(v);
+        ++p;
+        break;
+      }
+      case 'a':     // APPEND
+      case 'e':     // APPENDS
+      case 's':     // SETITEM
+      case 'u':     // SETITEMS
+      case 0x90: {  // ADDITEMS
+        std::int64_t x;
+        if (op == 'a' || op == 's') {
+          x = static_cast<std::int64_t>(stack_.size()) - (op == 'a' ? 1 : 2);
+        } else {
+          if (marks_.empty()) BAIL();
+          x = static_cast<std::int64_t>(marks_.back());
+          marks_.pop_back();
+        }
+        std::int64_t len = static_cast<std::int64_t>(stack_.size());
+        if (x > len || x <= static_cast<std::int64_t>(fence())) BAIL();  // underflow
+        if (x < len) {  // APPENDS of nothing does not look at its target
+          const PickleValue target = stack_[static_cast<std::size_t>(x) - 1];
+          std::size_t from = static_cast<std::size_t>(x);
+          if (op == 'a' || op == 'e') {
+            if (target.kind != PickleValue::list) BAIL();
+          } else if (op == 0x90) {
+            if (target.kind != PickleValue::set) BAIL();
+            for (std::size_t i = from; i < stack_.size(); ++i)
+              if (!stack_[i].hashable) BAIL();
+          } else {
+            if (target.kind != PickleValue::dict || (len - x) % 2) BAIL();
+            for (std::size_t i = from; i < stack_.size(); i += 2)
+              if (!stack_[i].hashable) BAIL();
+          }
+          if (op == 's' || op == 'u') set_items(target.v, from);
+          else add(target.v, from);
+        }
+        ++p;
+        break;
+      }
+      case 'q':     // BINPUT
+      case 'r':     // LONG_BINPUT
+      case 0x94: {  // MEMOIZE
+        int k = op == 'q' ? 1 : op == 'r' ? 4 : 0;
+        NEED(1 + k);
+        std::uint64_t index = k ? le(d + p + 1, k) : memo_len_;
+        Status s = Status::more;
+        if (!put(index, p, s)) {
+          pos_ = p;
+          if (s == Status::error) return s;
+          return status_ = Status::bail;
+        }
+        p += 1 + k;
+        break;
+      }
+      case 'h':    // BINGET
+      case 'j': {  // LONG_BINGET
+        int k = op == 'h' ? 1 : 4;
+        NEED(1 + k);
+        std::uint64_t index = le(d + p + 1, k);
+        if (index >= memo_.size() || memo_[index].kind == PickleValue::unset) BAIL();
+        stack_.push_back(memo_[index]);
+        p += 1 + k;
+        break;
+      }
+      case 'c':    // GLOBAL module\nname\n
+      case 'i': {  // INST module\nname\n
+        std::string_view rest(reinterpret_cast<const char*>(d + p + 1), n - p - 1);
+        rest = rest.substr(0, 512);
+        std::size_t a = rest.find('\n');
+        std::size_t b = a == std::string_view::npos ? a : rest.find('\n', a + 1);
+        if (b == std::string_view::npos) return refuse(op, p, {}, {});
+        return refuse(op, p, rest.substr(0, a), rest.substr(a + 1, b - a - 1));
+      }
+      case 0x93: {  // STACK_GLOBAL: module and name are the two strings on the stack
+        if (stack_.size() >= 2 && stack_[stack_.size() - 2].kind == PickleValue::str &&
+            stack_.back().kind == PickleValue::str)
+          return refuse(op, p, blob(stack_[stack_.size() - 2]), blob(stack_.back()));
+        return refuse(op, p, {}, {});
+      }
+      case 'o':     // OBJ
+      case 'R':     // REDUCE
+      case 0x81:    // NEWOBJ
+      case 0x92:    // NEWOBJ_EX
+      case 0x82:    // EXT1
+      case 0x83:    // EXT2
+      case 0x84:    // EXT4
+      case 'P':     // PERSID
+      case 'Q':     // BINPERSID
+        return refuse(op, p, {}, {});
+      default:
+        // Protocol 0 text opcodes (INT, LONG, FLOAT, STRING, UNICODE, PUT, GET), BUILD (a
+        // no-op on plain data in some cases), out-of-band buffers, unknown bytes: Python's
+        // unpickler decides.
+        BAIL();
+    }
+  }
+#undef NEED
+#undef BAIL
+#undef LENGTH
+}
+
+}  // namespace vmalloc::trace_parse
