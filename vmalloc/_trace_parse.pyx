@@ -68,6 +68,7 @@ cdef extern from "vmalloc/trace/pickle_reader.hpp" namespace "vmalloc::trace_par
         const PickleValue* find(const PickleValue& d, Word word)
         bool compact(const PickleValue& v)
         void clear()
+        uint64_t memory()
 
 
 cdef extern from "vmalloc/trace/torch_snapshot.hpp" namespace "vmalloc::trace_parse" nogil:
@@ -216,6 +217,19 @@ cdef class Snapshot:
 
     def error(self):
         return self.reader.error().decode("utf-8", "replace")
+
+    def memory(self):
+        """Bytes the reader holds now (the tree, the stack, the memo, the input kept)."""
+        return self.reader.memory()
+
+    def value(self):
+        """After ``done``, before :meth:`build`: the pickled value as Python objects (for
+        checking the reader against ``pickle.loads``); ValueError where a history entry was
+        kept as its summary, or the value is nested too deep."""
+        try:
+            return _to_python(self.reader, self.reader.root(), {}, 0)
+        except _Undecided:
+            raise ValueError("not decided by the C++ reader") from None
 
     def build(self):
         """After ``done``: the snapshot's history and segments, compacted (the pickle's tree

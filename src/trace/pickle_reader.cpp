@@ -352,24 +352,30 @@ void PickleReader::clear() {
 }
 
 PickleReader::Status PickleReader::feed(const char* data, std::size_t n) {
-  if (status_ != Status::more) return status_;
-  received_ += n;
-  if (stopped_) {  // only waiting for the end of the last frame
-    if (received_ >= frame_end_) status_ = Status::done;
-    return status_;
-  }
-  if (pos_ > 0) {
-    buf_.erase(0, pos_);
-    base_ += pos_;
-    pos_ = 0;
-  }
-  buf_.append(data, n);
-  Status s = run();
-  if (s == Status::more && memory() > memory_budget(received_)) {
-    error_ = "not a PyTorch memory snapshot: its structure takes more than " +
-             thousands(memory_budget(received_)) + " bytes of memory after " +
-             thousands(received_) + " bytes of pickle; refusing to read it";
-    status_ = Status::error;
+  // In steps of 64 KiB, so that the memory bound is checked every few thousand opcodes.
+  constexpr std::size_t step = 64u << 10;
+  while (status_ == Status::more && n > 0) {
+    std::size_t k = n < step ? n : step;
+    received_ += k;
+    if (stopped_) {  // only waiting for the end of the last frame
+      if (received_ >= frame_end_) status_ = Status::done;
+    } else {
+      if (pos_ > 0) {
+        buf_.erase(0, pos_);
+        base_ += pos_;
+        pos_ = 0;
+      }
+      buf_.append(data, k);
+      if (run() == Status::more && memory() > memory_budget(received_)) {
+        error_ = "not a PyTorch memory snapshot: its structure would take more than " +
+                 thousands(memory_budget(received_)) + " bytes of memory after " +
+                 thousands(received_) + " bytes of pickle (byte " + std::to_string(base_ + pos_) +
+                 "); refusing to read it";
+        status_ = Status::error;
+      }
+    }
+    data += k;
+    n -= k;
   }
   return status_;
 }
@@ -393,6 +399,7 @@ PickleReader::Status PickleReader::run() {
   do {                                                         \
     if (n - p < static_cast<std::size_t>(k)) {                 \
       pos_ = p;                                                \
+      frame_left_ = frame_left;                                \
       return status_ = eof_ ? Status::bail : Status::more;     \
     }                                                          \
   } while (0)
@@ -400,6 +407,11 @@ PickleReader::Status PickleReader::run() {
   do {                                \
     pos_ = p;                         \
     return status_ = Status::bail;    \
+  } while (0)
+  // One read of an opcode's argument, once all its bytes are here (see take()).
+#define TAKE(k)                 \
+  do {                          \
+    if (!take(k)) BAIL();       \
   } while (0)
   // A length-prefixed argument: refused before it is buffered if it passes the limit.
 #define LENGTH(header, size)                                                          \
@@ -423,19 +435,28 @@ PickleReader::Status PickleReader::run() {
       return status_ = eof_ ? Status::bail : Status::more;
     }
     const unsigned char op = d[p];
+    const std::uint64_t frame_left = frame_left_;  // restored where the opcode must wait
+    take(1);  // the opcode: one byte never crosses a frame's end
     switch (op) {
       case 0x80: {  // PROTO
         NEED(2);
+        TAKE(1);
         if (d[p + 1] > highest_protocol) BAIL();
         p += 2;
         break;
       }
       case 0x95: {  // FRAME: CPython reads the whole frame at once; its opcodes follow
         NEED(9);
+        TAKE(8);
         std::uint64_t size = le(d + p + 1, 8);
-        std::uint64_t avail = limit_ > base_ + p + 9 ? limit_ - base_ - p - 9 : 0;
-        if (size > avail) return too_long(op, p, size);
-        frame_end_ = base_ + p + 9 + size;
+        if (frame_left_ == 0) {
+          std::uint64_t avail = limit_ > base_ + p + 9 ? limit_ - base_ - p - 9 : 0;
+          if (size > avail) return too_long(op, p, size);
+          frame_end_ = base_ + p + 9 + size;
+          frame_left_ = size;
+        } else if (size > frame_left_) {
+          BAIL();  // a frame inside a frame that it passes: CPython drops the first's rest
+        }  // else within the frame being read: CPython reads nothing
         p += 9;
         break;
       }
@@ -490,6 +511,7 @@ PickleReader::Status PickleReader::run() {
       }
       case 'J': {  // BININT
         NEED(5);
+        TAKE(4);
         PickleValue v;
         v.kind = PickleValue::integer;
         v.v = static_cast<std::uint64_t>(
@@ -502,6 +524,7 @@ PickleReader::Status PickleReader::run() {
       case 'M': {  // BININT2
         int k = op == 'K' ? 1 : 2;
         NEED(1 + k);
+        TAKE(k);
         PickleValue v;
         v.kind = PickleValue::integer;
         v.v = le(d + p + 1, k);
@@ -523,6 +546,8 @@ PickleReader::Status PickleReader::run() {
           LENGTH(header, size);
         }
         NEED(header + size);
+        TAKE(header - 1);
+        TAKE(size);
         const unsigned char* b = d + p + header;
         // The value, whatever the encoding's length: drop the redundant sign bytes.
         std::uint64_t len = size;
@@ -550,6 +575,7 @@ PickleReader::Status PickleReader::run() {
       }
       case 'G': {  // BINFLOAT: big-endian
         NEED(9);
+        TAKE(8);
         std::uint64_t bits = 0;
         for (int i = 1; i <= 8; ++i) bits = (bits << 8) | d[p + i];
         PickleValue v;
@@ -574,6 +600,8 @@ PickleReader::Status PickleReader::run() {
         std::uint64_t size = le(d + p + 1, k);
         if (op == 'T' && static_cast<std::int32_t>(size) < 0) BAIL();  // negative byte count
         LENGTH(1 + static_cast<std::size_t>(k), size);
+        TAKE(k);
+        TAKE(size);
         const unsigned char* b = d + p + 1 + k;
         PickleValue v;
         if (op == 0x8c || op == 'X' || op == 0x8d) {
@@ -687,6 +715,7 @@ PickleReader::Status PickleReader::run() {
       case 0x94: {  // MEMOIZE
         int k = op == 'q' ? 1 : op == 'r' ? 4 : 0;
         NEED(1 + k);
+        TAKE(k);
         std::uint64_t index = k ? le(d + p + 1, k) : memo_len_;
         Status s = Status::more;
         if (!put(index, p, s)) {
@@ -701,6 +730,7 @@ PickleReader::Status PickleReader::run() {
       case 'j': {  // LONG_BINGET
         int k = op == 'h' ? 1 : 4;
         NEED(1 + k);
+        TAKE(k);
         std::uint64_t index = le(d + p + 1, k);
         if (index >= memo_.size() || memo_[index].kind == PickleValue::unset) BAIL();
         stack_.push_back(memo_[index]);
@@ -713,7 +743,14 @@ PickleReader::Status PickleReader::run() {
         rest = rest.substr(0, 512);
         std::size_t a = rest.find('\n');
         std::size_t b = a == std::string_view::npos ? a : rest.find('\n', a + 1);
-        if (b == std::string_view::npos) return refuse(op, p, {}, {});
+        if (b == std::string_view::npos) {
+          if (rest.size() < 512 && !eof_) {  // the names may be in the next block
+            pos_ = p;
+            frame_left_ = frame_left;
+            return status_ = Status::more;
+          }
+          return refuse(op, p, {}, {});
+        }
         return refuse(op, p, rest.substr(0, a), rest.substr(a + 1, b - a - 1));
       }
       case 0x93: {  // STACK_GLOBAL: module and name are the two strings on the stack
@@ -741,6 +778,7 @@ PickleReader::Status PickleReader::run() {
   }
 #undef NEED
 #undef BAIL
+#undef TAKE
 #undef LENGTH
 }
 

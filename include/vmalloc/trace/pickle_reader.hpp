@@ -172,9 +172,10 @@ class PickleReader {
   detail::Chunked<SnapshotEntry> take_entries() { return std::move(entries_); }
   // Bytes held by the tree, the stack and the memo.
   std::uint64_t memory() const;
-  // The memory allowed after reading `bytes` bytes: a linear bound, far above real snapshots
-  // (about 7 bytes a byte of pickle) and below what a pickle of one repeated opcode makes.
-  static std::uint64_t memory_budget(std::uint64_t bytes) { return 32 * bytes + (64u << 20); }
+  // The memory allowed after reading `bytes` bytes: a linear bound, several times what real
+  // snapshots take (3 to 4 bytes a byte of pickle, plus the tables' first chunks) and below
+  // what a pickle of one repeated opcode (EMPTY_DICT, DUP) makes.
+  static std::uint64_t memory_budget(std::uint64_t bytes) { return 16 * bytes + (16u << 20); }
   // Releases the tree (after the caller has taken what it needs).
   void clear();
 
@@ -192,6 +193,15 @@ class PickleReader {
   void set_items(std::uint64_t dict, std::size_t from);  // SETITEM(S) of stack_[from:]
   bool put(std::uint64_t index, std::size_t at, Status& status);
   std::size_t fence() const { return marks_.empty() ? 0 : marks_.back(); }
+  // One read of k bytes as CPython's unpickler makes it: from the frame being read while it
+  // holds them; a read that passes the frame's end would drop the frame's rest and read the
+  // bytes after it (false: Python's unpickler decides such a file).
+  bool take(std::uint64_t k) {
+    if (frame_left_ == 0) return true;
+    if (k > frame_left_) return false;
+    frame_left_ -= k;
+    return true;
+  }
 
   std::uint64_t limit_;
   std::string buf_;
@@ -199,6 +209,7 @@ class PickleReader {
   std::uint64_t base_ = 0;       // the file offset of buf_[0]
   std::uint64_t received_ = 0;   // bytes fed so far
   std::uint64_t frame_end_ = 0;  // the file must hold this many bytes (the last FRAME's end)
+  std::uint64_t frame_left_ = 0; // bytes of the frame being read not read yet
   bool eof_ = false;
   bool stopped_ = false;  // STOP read; waiting for the end of the last frame
   Status status_ = Status::more;
