@@ -50,7 +50,9 @@ def outcome(path, python, **options):
         batches = [b.tobytes() for b in trace.batches()]
         again = [b.tobytes() for b in trace.batches()]  # a second pass (the bisection's)
         assert again == batches
-        return ("ok", trace.device, batches, trace.info.to_dict())
+        reader = trace._reader
+        return ("ok", trace.device, batches, trace.info.to_dict(), reader.devices(),
+                list(reader.live_blocks().items()))
     except vmalloc.TraceFormatError as error:
         return ("error", type(error).__name__, str(error), error.record)
     finally:
@@ -127,6 +129,11 @@ def test_fast_path_is_taken(tmp_path, monkeypatch):
                                                       "roundup": (1, 2.5, None)}
     assert info["metadata"]["live_before_window_bytes"] == 500
     assert trace_devices(path) == {"cuda:0": 4}
+    reader = open_trace(path)._reader
+    assert reader._selection is not None
+    assert reader.live_blocks() == {0x9000: (0, 500)}
+    assert list(reader.records()) == [(0, 0, 0x1000, 64), (1, 0, 0x1000, 64)]
+    assert reader.skipped == {"oom": 1}
 
 
 def test_cli_reads_a_snapshot_once(tmp_path, monkeypatch, capsys):

@@ -57,14 +57,15 @@ cdef extern from "vmalloc/trace/pickle_reader.hpp" namespace "vmalloc::trace_par
         bail
         error
 
+    # Calls that allocate are "except +": a std::bad_alloc becomes a MemoryError.
     cdef cppclass PickleReader:
-        PickleReader(uint64_t limit)
-        PickleStatus feed(const char* data, size_t n)
-        PickleStatus finish()
+        PickleReader(uint64_t limit) except +
+        PickleStatus feed(const char* data, size_t n) except +
+        PickleStatus finish() except +
         const string& error()
         const PickleValue& root()
         string_view blob(const PickleValue& v)
-        void values(const PickleValue& c, vector[PickleValue]& out)
+        void values(const PickleValue& c, vector[PickleValue]& out) except +
         const PickleValue* find(const PickleValue& d, Word word)
         bool compact(const PickleValue& v)
         void clear()
@@ -77,7 +78,7 @@ cdef extern from "vmalloc/trace/torch_snapshot.hpp" namespace "vmalloc::trace_pa
         vector[pair[uint32_t, uint64_t]] actions, skipped
         uint64_t segments
         int64_t segment_bytes
-        vector[TraceEvent] untouched
+        vector[TraceEvent] live, untouched
         uint64_t untouched_bytes
 
     cdef cppclass HistoryDevice "vmalloc::trace_parse::SnapshotHistory::Device":
@@ -85,11 +86,12 @@ cdef extern from "vmalloc/trace/torch_snapshot.hpp" namespace "vmalloc::trace_pa
         uint64_t length
 
     cdef cppclass SnapshotHistory:
-        bool build(PickleReader& pickle)
+        bool build(PickleReader& pickle) except +
         vector[HistoryDevice] devices
         vector[string] actions
-        bool select(size_t index, SnapshotDevice& out)
-        void records(const SnapshotDevice& device, size_t first, size_t n, vector[TraceEvent]& out)
+        bool select(size_t index, SnapshotDevice& out) except +
+        void records(const SnapshotDevice& device, size_t first, size_t n,
+                     vector[TraceEvent]& out) except +
 
 
 #: Normalizer::Reason, as _normalize.py words them.
@@ -299,7 +301,7 @@ cdef class SnapshotSelection:
     def untouched_bytes(self):
         return self.device.untouched_bytes
 
-    cdef void _records(self, size_t first, size_t n, vector[TraceEvent]& out) noexcept nogil:
+    cdef void _records(self, size_t first, size_t n, vector[TraceEvent]& out) except * nogil:
         self.snapshot.history.records(self.device, first, n, out)
 
     def untouched(self):
@@ -308,6 +310,12 @@ cdef class SnapshotSelection:
         cdef const TraceEvent* e = self.device.untouched.data()
         cdef size_t i
         return {e[i].addr: (e[i].stream, e[i].size) for i in range(self.device.untouched.size())}
+
+    def live_blocks(self):
+        """``{addr: (stream, requested size)}`` of the device's blocks in use at the dump."""
+        cdef const TraceEvent* e = self.device.live.data()
+        cdef size_t i
+        return {e[i].addr: (e[i].stream, e[i].size) for i in range(self.device.live.size())}
 
     def records(self, size_t first=0, size_t n=<size_t>-1):
         """The raw records of history entries ``[first, first + n)``, as an EVENT_DTYPE

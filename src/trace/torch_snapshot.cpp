@@ -3,6 +3,7 @@
 // returns false.
 #include "vmalloc/trace/torch_snapshot.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <unordered_map>
@@ -257,48 +258,50 @@ bool SnapshotHistory::select(std::size_t index, SnapshotDevice& out) const {
   out.effective.assign((n + 63) / 64, 0);
   constexpr std::uint8_t sized = SnapshotEntry::size_ok | SnapshotEntry::stream_ok;
 
-  // Every entry: a dict with a str action, an int addr where the action is one of the three;
-  // the actions in order of first appearance. Where the history has no free_completed (as
-  // with skip_actions=["free_completed"]) every free_requested is the free.
-  std::vector<std::uint64_t> counts(actions.size(), 0);
-  std::vector<std::uint32_t> order;
-  for (std::size_t i = 0; i < n; ++i) {
-    const SnapshotEntry& e = entry(d, i);
-    if (!(e.flags & SnapshotEntry::has_action)) return false;  // "is not a dict with an 'action'"
-    if (counts[e.action]++ == 0) order.push_back(e.action);
-    if (e.action > a_free_completed) continue;
-    if (!(e.flags & SnapshotEntry::addr_ok)) return false;  // "'addr' must be an integer ..."
-    // An alloc or free_completed is always a record: its size and stream must be ints.
-    if (e.action != a_free_requested && (e.flags & sized) != sized) return false;
-  }
-  const bool completions = counts[a_free_completed] != 0;
-  // The backward scan: an address's byte is 1 while a free_completed of it lies ahead.
-  AddressMap completed_later(completions ? n / 2 : 0);
+  // One pass, backwards: every entry a dict with a str action, an int addr where the action
+  // is one of the three; the entries of each action and the first of them; and the
+  // free_requested entries that act as the free (no free_completed of the address follows
+  // before it is allocated again). The map holds the addresses with a free_completed ahead:
+  // none until the scan meets one, so a history without them (skip_actions=
+  // ["free_completed"]) never touches it.
+  std::vector<std::uint64_t> counts(actions.size(), 0), first(actions.size(), 0);
+  AddressMap completed_later(0);
+  bool completions = false;
   for (std::size_t i = n; i-- > 0;) {
     const SnapshotEntry& e = entry(d, i);
+    if (!(e.flags & SnapshotEntry::has_action)) return false;  // "is not a dict with an 'action'"
+    ++counts[e.action];
+    first[e.action] = i;
     if (e.action > a_free_completed) continue;
-    if (!completions) {
-      if (e.action == a_free_requested) out.effective[i >> 6] |= std::uint64_t{1} << (i & 63);
-      continue;
-    }
-    std::uint8_t& later = completed_later[e.addr];
+    if (!(e.flags & SnapshotEntry::addr_ok)) return false;  // "'addr' must be an integer ..."
+    bool record = true;
     if (e.action == a_free_completed) {
-      later = 1;
-    } else if (e.action == a_free_requested) {
-      if (later) later = 0;
-      else out.effective[i >> 6] |= std::uint64_t{1} << (i & 63);
-    } else {
-      later = 0;
+      completed_later[e.addr] = 1;
+      completions = true;
+    } else if (e.action == a_alloc) {
+      if (completions) {
+        if (const std::uint8_t* later = completed_later.find(e.addr)) {
+          if (*later) completed_later[e.addr] = 0;
+        }
+      }
+    } else {  // free_requested: the free unless a completion of the address lies ahead
+      const std::uint8_t* later = completions ? completed_later.find(e.addr) : nullptr;
+      if (later != nullptr && *later) {
+        completed_later[e.addr] = 0;
+        record = false;
+      } else {
+        out.effective[i >> 6] |= std::uint64_t{1} << (i & 63);
+      }
     }
+    // A record's size and stream must be ints (entry.get(key, 0)).
+    if (record && (e.flags & sized) != sized) return false;
+    out.records += record;
   }
-  // An effective free_requested is a record too.
-  std::uint64_t requests = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    if (!((out.effective[i >> 6] >> (i & 63)) & 1)) continue;
-    if ((entry(d, i).flags & sized) != sized) return false;
-    ++requests;
-  }
-  out.records = counts[a_alloc] + counts[a_free_completed] + requests;
+  std::vector<std::uint32_t> order;
+  for (std::uint32_t a = 0; a < actions.size(); ++a)
+    if (counts[a]) order.push_back(a);
+  std::sort(order.begin(), order.end(),
+            [&](std::uint32_t x, std::uint32_t y) { return first[x] < first[y]; });
   for (std::uint32_t a : order) {
     out.actions.emplace_back(a, counts[a]);
     if (a > a_free_completed) out.skipped.emplace_back(a, counts[a]);
@@ -307,7 +310,7 @@ bool SnapshotHistory::select(std::size_t index, SnapshotDevice& out) const {
   // The segments of the device, and the blocks live in them (by address: the first place, the
   // last value, as the reader's dict keeps them).
   __int128 segment_bytes = 0;
-  std::vector<TraceEvent> live;
+  std::vector<TraceEvent>& live = out.live;
   std::unordered_map<std::uint64_t, std::size_t> position;
   for (const Segment& s : segments_) {
     if (!s.is_dict) return false;  // "segment N is not a dict"

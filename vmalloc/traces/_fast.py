@@ -262,24 +262,28 @@ def snapshot(path, limit, keep=False):
     found, _snapshot = _snapshot, None
     if found is not None and key[0] is not None and found[0] == key:
         return found[1]
-    parsed = _trace_parse.Snapshot(limit)
     status = more = _trace_parse.PickleStatus.more
     file_passes += 1
-    with open_binary(path) as f:
-        blocks = _read_blocks(f)
-        try:
-            for buffer, n in blocks:
-                if buffer is None:  # a read error (a corrupt .gz): the Python reader words it
-                    return None
-                status = parsed.feed(memoryview(buffer)[:n]) if n else parsed.finish()
-                if status != more or not n:
-                    break
-        finally:
-            blocks.close()
-    if status == _trace_parse.PickleStatus.error:
-        raise TraceFormatError(parsed.error(), path)
-    if status != _trace_parse.PickleStatus.done or not parsed.build():
-        return None
+    try:
+        parsed = _trace_parse.Snapshot(limit)
+        with open_binary(path) as f:
+            blocks = _read_blocks(f)
+            try:
+                for buffer, n in blocks:
+                    if buffer is None:  # a read error (a corrupt .gz): the Python reader words it
+                        return None
+                    status = parsed.feed(memoryview(buffer)[:n]) if n else parsed.finish()
+                    if status != more or not n:
+                        break
+            finally:
+                blocks.close()
+        if status == _trace_parse.PickleStatus.error:
+            raise TraceFormatError(parsed.error(), path)
+        if status != _trace_parse.PickleStatus.done or not parsed.build():
+            return None
+    except MemoryError:
+        raise TraceFormatError("not a PyTorch memory snapshot: reading it runs out of memory",
+                               path) from None
     if keep and key[0] is not None:
         _snapshot = (key, parsed)
     return parsed

@@ -260,7 +260,9 @@ class TorchSnapshotReader:
 
     def live_blocks(self):
         """``{addr: (stream, requested size)}`` of the blocks of this device that were in
-        use when the snapshot was taken (read by the Python code only)."""
+        use when the snapshot was taken."""
+        if self._selection is not None:
+            return self._selection.live_blocks()
         blocks = {}
         for s, segment in enumerate(self.segments):
             if not isinstance(segment, dict):

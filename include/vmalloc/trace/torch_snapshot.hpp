@@ -36,9 +36,10 @@ struct SnapshotDevice {
   std::vector<std::pair<std::uint32_t, std::uint64_t>> actions, skipped;
   std::uint64_t segments = 0;       // the device's segments
   std::int64_t segment_bytes = 0;   // their int total_size
-  // Blocks in use at the dump whose address the history never mentions, as ALLOC records
-  // (stream, addr, requested size) in the order of TorchSnapshotReader.live_blocks().
-  std::vector<TraceEvent> untouched;
+  // The device's blocks in use at the dump, as ALLOC records (stream, addr, requested size) in
+  // the order of TorchSnapshotReader.live_blocks(); and those whose address the history never
+  // mentions.
+  std::vector<TraceEvent> live, untouched;
   std::uint64_t untouched_bytes = 0;
 };
 
