@@ -601,6 +601,42 @@ def test_memo_bomb_is_refused_at_once(tmp_path):
     assert time.perf_counter() - start < 5  # generous: no allocation of gigabytes
 
 
+@pytest.mark.parametrize("bomb", [
+    b"r" + struct.pack("<I", 0xFFFFFFF0),  # LONG_BINPUT
+    b"p4294967280\n",                      # PUT (protocol 0)
+    b"p4_294_967_280\n",                   # PUT as int() also reads it
+])
+@pytest.mark.parametrize("compress", [False, True])
+def test_memo_bomb_after_a_bail_is_refused_too(tmp_path, bomb, compress):
+    # The C++ reader leaves a protocol 0 INT to Python's unpickler; the memo bomb after it is
+    # found by the scan that precedes the fallback, which then never runs.
+    data = b"\x80\x02I1\n" + bomb + b"."
+    path = tmp_path / "bomb.pickle"
+    path.write_bytes(gzip.compress(data) if compress else data)
+    with pytest.raises(vmalloc.TraceFormatError, match=r"memo index 4294967280"):
+        open_trace(path, format="torch_snapshot").scan()
+
+
+def test_memo_bomb_behind_a_cut_frame_is_found(tmp_path):
+    # A frame of 4 bytes ends inside BININT's argument: CPython's unpickler drops the frame's
+    # last 2 bytes ("xy") and reads the 4 after it ("abcd") as the argument, then meets the
+    # LONG_BINPUT; a scan in file order would read "xy" as the argument and "cd" as opcodes.
+    data = (b"\x80\x04\x95" + struct.pack("<Q", 4) + b"NJxy" + b"abcd" + b"r"
+            + struct.pack("<I", 0xFFFFFFF0) + b".")
+    status, snap = parse(data)
+    assert status == "error" and "memo index 4294967280" in snap.error()
+
+
+def test_a_bail_without_a_bomb_leaves_the_file_to_python(tmp_path):
+    snapshot = {"device_traces": [[entry("alloc", 4096, 512), entry("free_completed", 4096, 512)]]}
+    path = tmp_path / "p0.pickle"
+    path.write_bytes(pickle.dumps(snapshot, protocol=0))  # text opcodes: a bail at the start
+    status, _ = parse(path.read_bytes())
+    assert status == "bail"
+    result = assert_same(path)
+    assert result[0] == "ok" and result[3]["events"] == 2
+
+
 def test_huge_lengths_are_refused_before_reading(tmp_path):
     for op, width in ((b"\x8d", "<Q"), (b"\x8e", "<Q"), (b"\x96", "<Q"), (b"X", "<I"),
                       (b"\x95", "<Q"), (b"\x8b", "<i")):

@@ -11,7 +11,9 @@
 //  * done: the pickle is read; its value is root().
 //  * bail: a construct this reader does not take (protocol 0 text opcodes, BUILD, a malformed
 //    stream: a truncated pickle, an unknown opcode, an unhashable key): the caller reads the
-//    file with Python's unpickler, which gives the value or words the error.
+//    file with Python's unpickler, which gives the value or words the error. Before saying so
+//    the reader scans the rest of the stream as that unpickler would read it, opcode by
+//    opcode, for the memo bombs below (which would otherwise reach it).
 //  * error: a pickle nothing plain can come from, refused at once with a message naming the
 //    opcode and its byte offset: an opcode that loads a class or calls a function (a plain-data
 //    unpickler refuses it too, so no file reads differently), a length past the size limit, a
@@ -184,7 +186,9 @@ class PickleReader {
     std::uint64_t offset = 0, size = 0;
   };
   Status run();
+  Status scan();  // after a bail: the rest of the stream checked for memo bombs
   Status fail(const char* what, std::size_t at);
+  Status memo_bomb(std::uint64_t index, std::size_t at);
   Status refuse(unsigned char op, std::size_t at, std::string_view module, std::string_view name);
   Status too_long(unsigned char op, std::size_t at, std::uint64_t size);
   PickleValue new_container(PickleValue::Kind kind);
@@ -212,6 +216,8 @@ class PickleReader {
   std::uint64_t frame_left_ = 0; // bytes of the frame being read not read yet
   bool eof_ = false;
   bool stopped_ = false;  // STOP read; waiting for the end of the last frame
+  bool scanning_ = false;  // bailed out: scanning the rest (scan())
+  std::uint64_t skip_ = 0;  // scanning: bytes still to drop (a payload past the buffer)
   Status status_ = Status::more;
   std::string error_;
 
