@@ -166,25 +166,27 @@ PickleReader::Status PickleReader::too_long(unsigned char op, std::size_t at, st
   return status_ = Status::error;
 }
 
-PickleValue PickleReader::new_container(PickleValue::Kind kind) {
-  PickleValue v;
-  v.kind = kind;
-  v.v = containers_.size();
-  v.hashable = kind == PickleValue::tuple || kind == PickleValue::frozenset;
-  containers_.push_back(PickleContainer());
-  return v;
+PickleValue& PickleReader::push(PickleValue::Kind kind, std::uint64_t v) {
+  // Built in place: a value assembled beside and then copied in is read back as 16 bytes
+  // from smaller stores, a stall on every opcode.
+  stack_.emplace_back();
+  PickleValue& x = stack_.back();
+  x.kind = kind;
+  x.v = v;
+  x.hashable = kind != PickleValue::list && kind != PickleValue::dict &&
+               kind != PickleValue::set && kind != PickleValue::bytearray;
+  return x;
 }
 
-PickleValue PickleReader::new_blob(PickleValue::Kind kind, const unsigned char* p,
-                                   std::uint64_t n) {
-  PickleValue v;
-  v.kind = kind;
-  v.v = blobs_.size();
-  v.hashable = kind != PickleValue::bytearray;
-  if (kind == PickleValue::str) v.word = word_of(p, n);
+std::uint64_t PickleReader::new_container() {
+  containers_.push_back(PickleContainer());
+  return containers_.size() - 1;
+}
+
+std::uint64_t PickleReader::new_blob(const unsigned char* p, std::uint64_t n) {
   blobs_.push_back({chars_.size(), n});
   chars_.append(reinterpret_cast<const char*>(p), n);
-  return v;
+  return blobs_.size() - 1;
 }
 
 void PickleReader::add(std::uint64_t c, std::size_t from) {
@@ -660,30 +662,20 @@ PickleReader::Status PickleReader::run() {
         stack_.push_back(stack_.back());
         ++p;
         break;
-      case 'N': {
-        PickleValue v;
-        v.kind = PickleValue::none;
-        stack_.push_back(v);
+      case 'N':
+        push(PickleValue::none, 0);
         ++p;
         break;
-      }
-      case 0x88:    // NEWTRUE
-      case 0x89: {  // NEWFALSE
-        PickleValue v;
-        v.kind = PickleValue::boolean;
-        v.v = op == 0x88;
-        stack_.push_back(v);
+      case 0x88:  // NEWTRUE
+      case 0x89:  // NEWFALSE
+        push(PickleValue::boolean, op == 0x88);
         ++p;
         break;
-      }
       case 'J': {  // BININT
         NEED(5);
         TAKE(4);
-        PickleValue v;
-        v.kind = PickleValue::integer;
-        v.v = static_cast<std::uint64_t>(
-            static_cast<std::int64_t>(static_cast<std::int32_t>(le(d + p + 1, 4))));
-        stack_.push_back(v);
+        push(PickleValue::integer, static_cast<std::uint64_t>(static_cast<std::int64_t>(
+                                       static_cast<std::int32_t>(le(d + p + 1, 4)))));
         p += 5;
         break;
       }
@@ -692,10 +684,7 @@ PickleReader::Status PickleReader::run() {
         int k = op == 'K' ? 1 : 2;
         NEED(1 + k);
         TAKE(k);
-        PickleValue v;
-        v.kind = PickleValue::integer;
-        v.v = le(d + p + 1, k);
-        stack_.push_back(v);
+        push(PickleValue::integer, le(d + p + 1, k));
         p += 1 + k;
         break;
       }
@@ -722,21 +711,17 @@ PickleReader::Status PickleReader::run() {
         while (len > 1 && b[len - 1] == (negative ? 0xFF : 0x00) &&
                ((b[len - 2] & 0x80) != 0) == negative)
           --len;
-        PickleValue v;
         if (len == 0) {
-          v.kind = PickleValue::integer;
+          push(PickleValue::integer, 0);
         } else if (len <= 8) {
           std::uint64_t x = le(b, static_cast<int>(len));
           if (negative && len < 8) x |= ~std::uint64_t{0} << (8 * len);
-          v.kind = PickleValue::integer;
-          v.v = x;
+          push(PickleValue::integer, x);
         } else if (len == 9 && !negative && b[8] == 0) {
-          v.kind = PickleValue::big_unsigned;  // [2**63, 2**64)
-          v.v = le(b, 8);
+          push(PickleValue::big_unsigned, le(b, 8));  // [2**63, 2**64)
         } else {
-          v = new_blob(PickleValue::big_integer, b, len);
+          push(PickleValue::big_integer, new_blob(b, len));
         }
-        stack_.push_back(v);
         p += header + size;
         break;
       }
@@ -745,10 +730,7 @@ PickleReader::Status PickleReader::run() {
         TAKE(8);
         std::uint64_t bits = 0;
         for (int i = 1; i <= 8; ++i) bits = (bits << 8) | d[p + i];
-        PickleValue v;
-        v.kind = PickleValue::floating;
-        v.v = bits;
-        stack_.push_back(v);
+        push(PickleValue::floating, bits);
         p += 9;
         break;
       }
@@ -770,35 +752,33 @@ PickleReader::Status PickleReader::run() {
         TAKE(k);
         TAKE(size);
         const unsigned char* b = d + p + 1 + k;
-        PickleValue v;
         if (op == 0x8c || op == 'X' || op == 0x8d) {
           if (!valid_utf8(b, size)) BAIL();
-          v = new_blob(PickleValue::str, b, size);
+          push(PickleValue::str, new_blob(b, size)).word = word_of(b, size);
         } else if (op == 'U' || op == 'T') {
           for (std::uint64_t i = 0; i < size; ++i)
             if (b[i] >= 0x80) BAIL();
-          v = new_blob(PickleValue::str, b, size);
+          push(PickleValue::str, new_blob(b, size)).word = word_of(b, size);
         } else {
-          v = new_blob(op == 0x96 ? PickleValue::bytearray : PickleValue::bytes, b, size);
+          push(op == 0x96 ? PickleValue::bytearray : PickleValue::bytes, new_blob(b, size));
         }
-        stack_.push_back(v);
         p += 1 + k + size;
         break;
       }
       case ']':  // EMPTY_LIST
-        stack_.push_back(new_container(PickleValue::list));
+        push(PickleValue::list, new_container());
         ++p;
         break;
       case '}':  // EMPTY_DICT
-        stack_.push_back(new_container(PickleValue::dict));
+        push(PickleValue::dict, new_container());
         ++p;
         break;
       case ')':  // EMPTY_TUPLE
-        stack_.push_back(new_container(PickleValue::tuple));
+        push(PickleValue::tuple, new_container());
         ++p;
         break;
       case 0x8f:  // EMPTY_SET
-        stack_.push_back(new_container(PickleValue::set));
+        push(PickleValue::set, new_container());
         ++p;
         break;
       case 'l':     // LIST
@@ -819,13 +799,13 @@ PickleReader::Status PickleReader::run() {
         bool all_hashable = true;
         for (std::size_t i = from; i < stack_.size(); ++i) all_hashable &= stack_[i].hashable;
         if (kind == PickleValue::frozenset && !all_hashable) BAIL();
-        PickleValue v = new_container(kind);
-        if (kind == PickleValue::tuple) v.hashable = all_hashable;
+        std::uint64_t c = new_container();
         if (stack_.size() > from) {
-          if (kind == PickleValue::dict) set_items(v.v, from);
-          else add(v.v, from);
+          if (kind == PickleValue::dict) set_items(c, from);
+          else add(c, from);
         }
-        stack_.push_back(v);
+        PickleValue& v = push(kind, c);
+        if (kind == PickleValue::tuple) v.hashable = all_hashable;
         ++p;
         break;
       }
@@ -835,10 +815,11 @@ PickleReader::Status PickleReader::run() {
         std::size_t k = op - 0x84u;
         if (stack_.size() < k || stack_.size() - k < fence()) BAIL();
         std::size_t from = stack_.size() - k;
-        PickleValue v = new_container(PickleValue::tuple);
-        for (std::size_t i = from; i < stack_.size(); ++i) v.hashable &= stack_[i].hashable;
-        add(v.v, from);
-        stack_.push_back(v);
+        bool all_hashable = true;
+        for (std::size_t i = from; i < stack_.size(); ++i) all_hashable &= stack_[i].hashable;
+        std::uint64_t c = new_container();
+        add(c, from);
+        push(PickleValue::tuple, c).hashable = all_hashable;
         ++p;
         break;
       }

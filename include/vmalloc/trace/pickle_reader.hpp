@@ -191,8 +191,9 @@ class PickleReader {
   Status memo_bomb(std::uint64_t index, std::size_t at);
   Status refuse(unsigned char op, std::size_t at, std::string_view module, std::string_view name);
   Status too_long(unsigned char op, std::size_t at, std::uint64_t size);
-  PickleValue new_container(PickleValue::Kind kind);
-  PickleValue new_blob(PickleValue::Kind kind, const unsigned char* p, std::uint64_t n);
+  PickleValue& push(PickleValue::Kind kind, std::uint64_t v);
+  std::uint64_t new_container();
+  std::uint64_t new_blob(const unsigned char* p, std::uint64_t n);
   void add(std::uint64_t container, std::size_t from);  // moves stack_[from:] into it
   void set_items(std::uint64_t dict, std::size_t from);  // SETITEM(S) of stack_[from:]
   bool put(std::uint64_t index, std::size_t at, Status& status);
