@@ -181,6 +181,25 @@ def test_blocks_cut_anywhere(tmp_path, monkeypatch, block):
     assert result[0] == "ok" and result[3]["events"] == 60
 
 
+def test_frames_lists_are_dropped_unless_needed(tmp_path):
+    # An entry's frames list is not kept (a reference a frame is most of a real snapshot's
+    # tree)... unless the memo puts it where the reader looks: then the Python reader decides.
+    frames = [{"name": "f", "filename": "x.py", "line": 1}, {"name": "g", "filename": "y.py"}]
+    plain = {"device_traces": [[entry("alloc", 4096, 512, frames=list(frames)),
+                                entry("free_completed", 4096, 512, frames=list(frames))]]}
+    status, snap = parse(pickle.dumps(plain, protocol=4))
+    assert status == "done" and snap.build()
+    reused = [{"action": "alloc", "addr": 4096, "size": 512, "frames": frames}]
+    tricky = {"device_traces": [[reused[0]], frames],  # the frames list as device 1's history
+              "segments": [{"device": 0, "blocks": frames}]}
+    status, snap = parse(pickle.dumps(tricky, protocol=4))
+    assert status == "done" and not snap.build()
+    path = tmp_path / "s.pickle"
+    path.write_bytes(pickle.dumps(tricky, protocol=4))
+    for device in (0, 1, "auto"):
+        assert_same(path, device=device)
+
+
 def test_one_million_entries_match(tmp_path):
     """A history of a million entries without frees completed (as the benchmark's): the
     C++ pass gives the Python reader's events."""
@@ -416,13 +435,18 @@ def snapshots(draw):
     segments with blocks, allocator settings; any protocol from 2, maybe gzip'd."""
     shared_frames = [{"name": f"fn{i}", "filename": "model.py", "line": i} for i in range(3)]
 
+    made = []  # frames lists, some put elsewhere too (the reader drops them in entries)
+
     def frames():
         kind = draw(st.integers(0, 2))
         if kind == 0:
-            return []
-        if kind == 1:
-            return [shared_frames[draw(st.integers(0, 2))] for _ in range(draw(st.integers(1, 3)))]
-        return [{"name": "x", "filename": "y.py", "line": draw(st.integers(0, 9))}]
+            out = []
+        elif kind == 1:
+            out = [shared_frames[draw(st.integers(0, 2))] for _ in range(draw(st.integers(1, 3)))]
+        else:
+            out = [{"name": "x", "filename": "y.py", "line": draw(st.integers(0, 9))}]
+        made.append(out)
+        return out
 
     bad = draw(st.integers(0, 9)) == 0  # a value the reader refuses, somewhere
 
@@ -456,6 +480,8 @@ def snapshots(draw):
         return out
 
     devices = [history() for _ in range(draw(st.integers(1, 3)))]
+    if made and draw(st.integers(0, 10)) == 0:
+        devices.append(made[draw(st.integers(0, len(made) - 1))])  # frames as a history
     if bad and draw(st.integers(0, 5)) == 0:
         devices[draw(st.integers(0, len(devices) - 1))] = {"not": "a list"}
 
@@ -481,6 +507,8 @@ def snapshots(draw):
             s["device"] = device
         if draw(st.integers(0, 8)) == 0:
             s["blocks"] = draw(st.sampled_from([None, [], (), 0]))
+        elif made and draw(st.integers(0, 8)) == 0:
+            s["blocks"] = made[draw(st.integers(0, len(made) - 1))]  # frames as blocks
         segments.append(s)
     if bad and draw(st.integers(0, 5)) == 0:
         segments.append(draw(st.sampled_from([[], "segment"])))

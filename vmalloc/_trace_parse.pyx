@@ -65,7 +65,7 @@ cdef extern from "vmalloc/trace/pickle_reader.hpp" namespace "vmalloc::trace_par
         const string& error()
         const PickleValue& root()
         string_view blob(const PickleValue& v)
-        void values(const PickleValue& c, vector[PickleValue]& out) except +
+        bool values(const PickleValue& c, vector[PickleValue]& out) except +
         const PickleValue* find(const PickleValue& d, Word word)
         bool compact(const PickleValue& v)
         void clear()
@@ -149,15 +149,14 @@ cdef object _to_python(PickleReader* reader, const PickleValue& v, dict seen, in
         if kind == k_bytearray:
             return bytearray(raw)
         return int.from_bytes(raw, "little", signed=True)
-    if reader.compact(v):  # kept as a history entry's summary: Python's unpickler decides
-        raise _Undecided()
     key = (<int>kind, v.v)
     if key in seen:
         found = seen[key]
         if found is _Undecided:  # a tuple that holds itself: Python's unpickler decides
             raise _Undecided()
         return found
-    reader.values(v, items)
+    if not reader.values(v, items):  # a history entry's summary, a dropped list
+        raise _Undecided()
     if kind == k_list:
         out = []
         seen[key] = out

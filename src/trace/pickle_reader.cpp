@@ -192,6 +192,11 @@ std::uint64_t PickleReader::new_blob(const unsigned char* p, std::uint64_t n) {
 void PickleReader::add(std::uint64_t c, std::size_t from) {
   std::size_t n = stack_.size() - from;
   PickleContainer& box = containers_[c];
+  if (box.dropped) {  // counted, not kept
+    box.count += n;
+    stack_.resize(from);
+    return;
+  }
   PickleRun& tail = runs_[box.last];
   if (box.last != 0 && tail.start + tail.count == values_.size()) {
     tail.count += n;  // the container's last run ends the arena: extend it in place
@@ -235,6 +240,18 @@ std::uint32_t PickleReader::action_id(const PickleValue& str) {
   return it->second;
 }
 
+void PickleReader::drop(const PickleValue& value) {
+  // The values of a list made just before (its one run ends the arena) are dropped: a history
+  // entry's stack frames, a reference each, were most of a real snapshot's tree.
+  if (value.kind != PickleValue::list) return;
+  PickleContainer& list = containers_[value.v];
+  if (list.first == 0 || list.first != list.last) return;
+  const PickleRun& run = runs_[list.first];
+  if (run.start + run.count != values_.size()) return;
+  values_.truncate(run.start);
+  list.dropped = 1;
+}
+
 void PickleReader::set_items(std::uint64_t c, std::size_t from) {
   PickleContainer& box = containers_[c];
   if (!box.compact && box.count == 0) {
@@ -255,9 +272,8 @@ void PickleReader::set_items(std::uint64_t c, std::size_t from) {
   for (std::size_t i = from; i < stack_.size(); i += 2) {
     const PickleValue& key = stack_[i];
     const PickleValue& value = stack_[i + 1];
-    if (key.kind != PickleValue::str) continue;
     std::uint8_t bit;
-    switch (key.word) {
+    switch (key.kind == PickleValue::str ? key.word : std::uint8_t{w_other}) {
       case w_action:
         if (value.kind == PickleValue::str) {
           e.action = action_id(value);
@@ -269,7 +285,9 @@ void PickleReader::set_items(std::uint64_t c, std::size_t from) {
       case w_addr: bit = u64_value(value, e.addr) ? SnapshotEntry::addr_ok : 0; break;
       case w_size: bit = u64_value(value, e.size) ? SnapshotEntry::size_ok : 0; break;
       case w_stream: bit = u64_value(value, e.stream) ? SnapshotEntry::stream_ok : 0; break;
-      default: continue;
+      default:
+        drop(value);
+        continue;
     }
     std::uint8_t mask = key.word == w_addr   ? SnapshotEntry::addr_ok
                         : key.word == w_size ? SnapshotEntry::size_ok

@@ -110,6 +110,9 @@ bool SnapshotHistory::build(PickleReader& pickle) {
   if (pickle.compact(root)) return false;  // a dict with an "action": not decided here
   const V* traces = pickle.find(root, w_device_traces);
   if (traces == nullptr || traces->kind != V::list) return false;
+  // A list whose values were dropped (see PickleContainer) met where they matter: the Python
+  // reader decides.
+  bool ok = pickle.complete(*traces);
   // snapshot.get("segments") or []
   const V* segments = pickle.find(root, w_segments);
   if (segments != nullptr && pickle.truthy(*segments) && segments->kind != V::list) return false;
@@ -150,6 +153,7 @@ bool SnapshotHistory::build(PickleReader& pickle) {
   pickle.each(*traces, [&](const V& history) {
     Device device;
     if (history.kind == V::list) {
+      if (!pickle.complete(history)) ok = false;
       device.is_list = true;
       device.length = pickle.container(history).count;
       // Direct when the entries are compact dicts made one after the other, as pickle writes
@@ -173,8 +177,8 @@ bool SnapshotHistory::build(PickleReader& pickle) {
     devices.push_back(device);
   });
 
-  bool ok = true;
   if (segments != nullptr && segments->kind == V::list) {
+    if (!pickle.complete(*segments)) ok = false;
     pickle.each(*segments, [&](const V& s) {
       Segment segment;
       segment.first_block = blocks_.size();
@@ -216,6 +220,7 @@ bool SnapshotHistory::build(PickleReader& pickle) {
           segment.blocks = blocks->kind == V::list ? Segment::blocks_list : Segment::blocks_bad;
         }
         if (segment.blocks == Segment::blocks_list) {
+          if (!pickle.complete(*blocks)) ok = false;
           pickle.each(*blocks, [&](const V& b) {
             if (b.kind != V::dict) return;
             if (pickle.compact(b)) {

@@ -91,9 +91,14 @@ struct PickleRun {
 
 struct PickleContainer {
   std::uint64_t first = 0, last = 0;  // runs (0: none); a compact dict: its SnapshotEntry
-  std::uint64_t count : 63;           // values added in all (a dict: 2 an item)
+  std::uint64_t count : 62;           // values added in all (a dict: 2 an item)
   std::uint64_t compact : 1;          // a dict kept as a SnapshotEntry (see below)
-  PickleContainer() : count(0), compact(0) {}
+  // A list whose values were dropped: one stored under a key a history entry does not use
+  // (its stack frames), made just before the entry's items were set. Never needed by the
+  // reader unless the memo puts it elsewhere: then complete() is false and the Python
+  // reader decides.
+  std::uint64_t dropped : 1;
+  PickleContainer() : count(0), compact(0), dropped(0) {}
 };
 
 // A history entry of a snapshot (a dict with an "action"), as the snapshot reader uses it:
@@ -130,6 +135,8 @@ class PickleReader {
   bool compact(const PickleValue& v) const {
     return v.kind == PickleValue::dict && containers_[v.v].compact;
   }
+  // Whether each() gives all of a container's values (false: a dropped list).
+  bool complete(const PickleValue& c) const { return !containers_[c.v].dropped; }
   const SnapshotEntry& entry(const PickleValue& compact_dict) const {
     return entries_[containers_[compact_dict.v].first];
   }
@@ -150,10 +157,13 @@ class PickleReader {
       for (std::uint64_t i = 0; i < run.count; ++i) f(values_[run.start + i]);
     }
   }
-  // A container's values in order (a dict's keys and values alternate), copied to `out`.
-  void values(const PickleValue& c, std::vector<PickleValue>& out) const {
+  // A container's values in order (a dict's keys and values alternate), copied to `out`;
+  // false where they are not all kept (a compact dict, a dropped list).
+  bool values(const PickleValue& c, std::vector<PickleValue>& out) const {
     out.clear();
+    if (containers_[c.v].compact || containers_[c.v].dropped) return false;
     each(c, [&](const PickleValue& v) { out.push_back(v); });
+    return true;
   }
   // A dict's items in order: f(const PickleValue& key, const PickleValue& value) for each.
   template <class F>
@@ -196,6 +206,7 @@ class PickleReader {
   std::uint64_t new_blob(const unsigned char* p, std::uint64_t n);
   void add(std::uint64_t container, std::size_t from);  // moves stack_[from:] into it
   void set_items(std::uint64_t dict, std::size_t from);  // SETITEM(S) of stack_[from:]
+  void drop(const PickleValue& value);  // a compact dict's value under a key it ignores
   bool put(std::uint64_t index, std::size_t at, Status& status);
   std::size_t fence() const { return marks_.empty() ? 0 : marks_.back(); }
   // One read of k bytes as CPython's unpickler makes it: from the frame being read while it

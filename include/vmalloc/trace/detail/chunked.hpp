@@ -27,6 +27,10 @@ class Chunked {
     if ((size_ >> shift) == chunks_.size()) chunks_.emplace_back(new T[chunk_rows]);
     (*this)[size_++] = v;
   }
+  // Drops the rows from n on (their chunks are kept for the rows pushed next).
+  void truncate(std::size_t n) {
+    if (n < size_) size_ = n;
+  }
   // Grows to n rows, the new ones T() (never shrinks).
   void grow_to(std::size_t n) {
     while (size_ < n) push_back(T());
