@@ -17,7 +17,28 @@ import numpy as np
 from vmalloc.traces.events import EVENT_DTYPE
 
 
+from vmalloc._lib.trace.pickle_reader cimport (
+    PickleKind,
+    PickleReader,
+    PickleStatus,
+    PickleValue,
+    k_big_integer,
+    k_big_unsigned,
+    k_boolean,
+    k_bytearray,
+    k_bytes,
+    k_dict,
+    k_floating,
+    k_integer,
+    k_list,
+    k_none,
+    k_set,
+    k_str,
+    k_tuple,
+    w_allocator_settings,
+)
 from vmalloc._lib.trace.replay cimport TraceEvent
+from vmalloc._lib.trace.torch_snapshot cimport SnapshotDevice, SnapshotHistory
 from vmalloc._lib.trace.trace_parse cimport (
     BeforeWindowScanner,
     DeviceScan,
@@ -25,73 +46,6 @@ from vmalloc._lib.trace.trace_parse cimport (
     Normalizer,
     RmmCsvParser,
 )
-
-
-cdef extern from "vmalloc/trace/pickle_reader.hpp" namespace "vmalloc::trace_parse" nogil:
-    cdef enum Word:
-        w_allocator_settings
-
-    cdef enum PickleKind "vmalloc::trace_parse::PickleValue::Kind":
-        k_none "vmalloc::trace_parse::PickleValue::none"
-        k_boolean "vmalloc::trace_parse::PickleValue::boolean"
-        k_integer "vmalloc::trace_parse::PickleValue::integer"
-        k_big_unsigned "vmalloc::trace_parse::PickleValue::big_unsigned"
-        k_big_integer "vmalloc::trace_parse::PickleValue::big_integer"
-        k_floating "vmalloc::trace_parse::PickleValue::floating"
-        k_str "vmalloc::trace_parse::PickleValue::str"
-        k_bytes "vmalloc::trace_parse::PickleValue::bytes"
-        k_bytearray "vmalloc::trace_parse::PickleValue::bytearray"
-        k_list "vmalloc::trace_parse::PickleValue::list"
-        k_tuple "vmalloc::trace_parse::PickleValue::tuple"
-        k_dict "vmalloc::trace_parse::PickleValue::dict"
-        k_set "vmalloc::trace_parse::PickleValue::set"
-        k_frozenset "vmalloc::trace_parse::PickleValue::frozenset"
-
-    cdef cppclass PickleValue:
-        uint64_t v
-        PickleKind kind
-
-    cpdef enum class PickleStatus "vmalloc::trace_parse::PickleReader::Status":
-        more
-        done
-        bail
-        error
-
-    # Calls that allocate are "except +": a std::bad_alloc becomes a MemoryError.
-    cdef cppclass PickleReader:
-        PickleReader(uint64_t limit) except +
-        PickleStatus feed(const char* data, size_t n) except +
-        PickleStatus finish() except +
-        const string& error()
-        const PickleValue& root()
-        string_view blob(const PickleValue& v)
-        bool values(const PickleValue& c, vector[PickleValue]& out) except +
-        const PickleValue* find(const PickleValue& d, Word word)
-        bool compact(const PickleValue& v)
-        void clear()
-        uint64_t memory()
-
-
-cdef extern from "vmalloc/trace/torch_snapshot.hpp" namespace "vmalloc::trace_parse" nogil:
-    cdef cppclass SnapshotDevice:
-        uint64_t entries, records
-        vector[pair[uint32_t, uint64_t]] actions, skipped
-        uint64_t segments
-        int64_t segment_bytes
-        vector[TraceEvent] live, untouched
-        uint64_t untouched_bytes
-
-    cdef cppclass HistoryDevice "vmalloc::trace_parse::SnapshotHistory::Device":
-        bool is_list
-        uint64_t length
-
-    cdef cppclass SnapshotHistory:
-        bool build(PickleReader& pickle) except +
-        vector[HistoryDevice] devices
-        vector[string] actions
-        bool select(size_t index, SnapshotDevice& out) except +
-        void records(const SnapshotDevice& device, size_t first, size_t n,
-                     vector[TraceEvent]& out) except +
 
 
 #: Normalizer::Reason, as _normalize.py words them.
@@ -112,6 +66,16 @@ cdef object _array(const TraceEvent* events, size_t n):
         for i in range(n):
             memset(dst + 32 * i + 1, 0, 7)
     return out
+
+
+cdef str _status_name(PickleStatus status):
+    if status == PickleStatus.more:
+        return "more"
+    if status == PickleStatus.done:
+        return "done"
+    if status == PickleStatus.bail:
+        return "bail"
+    return "error"
 
 
 class _Undecided(Exception):
@@ -185,9 +149,9 @@ cdef object _to_python(PickleReader* reader, const PickleValue& v, dict seen, in
 
 cdef class Snapshot:
     """A PyTorch memory snapshot read by the C++ unpickler: :meth:`feed` it the file's blocks
-    (a :class:`PickleStatus` each: ``more``, ``done``, ``bail`` where Python's unpickler must
-    decide, ``error`` with :meth:`error`), then :meth:`build`, :meth:`devices` and
-    :meth:`select` a device."""
+    (each returns ``"more"``, ``"done"``, ``"bail"`` where Python's unpickler must decide, or
+    ``"error"`` with :meth:`error`), then :meth:`build`, :meth:`devices` and :meth:`select` a
+    device."""
 
     cdef PickleReader* reader
     cdef SnapshotHistory* history
@@ -208,13 +172,13 @@ cdef class Snapshot:
         cdef PickleStatus status
         with nogil:
             status = self.reader.feed(data, n)
-        return status
+        return _status_name(status)
 
     def finish(self):
         cdef PickleStatus status
         with nogil:
             status = self.reader.finish()
-        return status
+        return _status_name(status)
 
     def error(self):
         return self.reader.error().decode("utf-8", "replace")
@@ -300,8 +264,9 @@ cdef class SnapshotSelection:
     def untouched_bytes(self):
         return self.device.untouched_bytes
 
-    cdef void _records(self, size_t first, size_t n, vector[TraceEvent]& out) except * nogil:
+    cdef int _records(self, size_t first, size_t n, vector[TraceEvent]& out) except -1 nogil:
         self.snapshot.history.records(self.device, first, n, out)
+        return 0
 
     def untouched(self):
         """``{addr: (stream, requested size)}`` of the blocks live at the dump that the

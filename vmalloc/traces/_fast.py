@@ -262,7 +262,7 @@ def snapshot(path, limit, keep=False):
     found, _snapshot = _snapshot, None
     if found is not None and key[0] is not None and found[0] == key:
         return found[1]
-    status = more = _trace_parse.PickleStatus.more
+    status = "more"
     file_passes += 1
     try:
         parsed = _trace_parse.Snapshot(limit)
@@ -273,13 +273,13 @@ def snapshot(path, limit, keep=False):
                     if buffer is None:  # a read error (a corrupt .gz): the Python reader words it
                         return None
                     status = parsed.feed(memoryview(buffer)[:n]) if n else parsed.finish()
-                    if status != more or not n:
+                    if status != "more" or not n:
                         break
             finally:
                 blocks.close()
-        if status == _trace_parse.PickleStatus.error:
+        if status == "error":
             raise TraceFormatError(parsed.error(), path)
-        if status != _trace_parse.PickleStatus.done or not parsed.build():
+        if status != "done" or not parsed.build():
             return None
     except MemoryError:
         raise TraceFormatError("not a PyTorch memory snapshot: reading it runs out of memory",
