@@ -155,6 +155,7 @@ cdef class Snapshot:
 
     cdef PickleReader* reader
     cdef SnapshotHistory* history
+    cdef object built  # None until build(), then its result
     #: The snapshot's "allocator_settings" when it is a dict, else None.
     cdef readonly object allocator_settings
 
@@ -191,6 +192,10 @@ cdef class Snapshot:
         """After ``done``, before :meth:`build`: the pickled value as Python objects (for
         checking the reader against ``pickle.loads``); ValueError where a history entry was
         kept as its summary, or the value is nested too deep."""
+        if self.built is not None:
+            raise ValueError("the pickle's tree is released by build()")
+        if self.reader.root().kind == 0:
+            raise ValueError("the pickle has not been read to its end")
         try:
             return _to_python(self.reader, self.reader.root(), {}, 0)
         except _Undecided:
@@ -201,6 +206,9 @@ cdef class Snapshot:
         is released); False where the Python reader decides."""
         cdef bool ok
         cdef const PickleValue* settings
+        if self.built is not None:
+            return self.built
+        self.built = False
         if self.reader.root().kind == k_dict:
             settings = self.reader.find(self.reader.root(), w_allocator_settings)
             if settings != NULL and settings.kind == k_dict:
@@ -211,6 +219,7 @@ cdef class Snapshot:
         with nogil:
             ok = self.history.build(self.reader[0])
             self.reader.clear()
+        self.built = ok
         return ok
 
     def devices(self):

@@ -4,10 +4,14 @@
 // It walks the opcode stream once, fed in blocks, and builds a compact tree of values (no
 // Python objects): None, bools, ints, floats, str, bytes, bytearray, and lists, tuples, dicts,
 // sets and frozensets by identity (the memo can share one container between several places,
-// as PyTorch's stack frames are). Each opcode is applied as CPython's C unpickler applies it
-// (the stack's fence at the last MARK, POP of a MARK, MEMOIZE numbering, APPENDS of nothing).
+// as PyTorch's stack frames are). A history entry is kept as its SnapshotEntry and its frames
+// list is dropped (see below). Each opcode is applied as CPython's C unpickler applies it (the
+// stack's fence at the last MARK, POP of a MARK, MEMOIZE numbering, APPENDS of nothing, a read
+// that passes the end of the frame being read).
 //
-// Outcomes, so that the fast path never gives an answer the Python reader would not:
+// Outcomes, so that the fast path gives no answer the Python reader would not (but for the
+// refusals under "error", of files that Python's unpickler refuses too or would allocate
+// gigabytes for):
 //  * done: the pickle is read; its value is root().
 //  * bail: a construct this reader does not take (protocol 0 text opcodes, BUILD, a malformed
 //    stream: a truncated pickle, an unknown opcode, an unhashable key): the caller reads the
