@@ -371,7 +371,8 @@ cdef class Pass:
         del self.norm
         del self.before
 
-    cdef void _consume(self) noexcept nogil:
+    cdef int _consume(self) except -1 nogil:
+        # except -1: the normalizer's std::bad_alloc arrives as MemoryError (declared except +).
         cdef size_t n = self.raw.size()
         if n:
             if self.norm != NULL:
@@ -380,6 +381,7 @@ cdef class Pass:
                 self.before.feed(self.raw.data(), n)
             self.records += n
             self.raw.clear()
+        return 0
 
     def feed(self, const uint8_t[::1] block):
         """Parses the next block of the file; False: bail out (see the class)."""

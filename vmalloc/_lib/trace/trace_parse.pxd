@@ -9,15 +9,17 @@ from libcpp.vector cimport vector
 from vmalloc._lib.trace.replay cimport TraceEvent
 
 
+# The parsers grow vectors as they read: `except +` turns a std::bad_alloc into MemoryError
+# instead of terminating the process.
 cdef extern from "vmalloc/trace/trace_parse.hpp" namespace "vmalloc::trace_parse" nogil:
     cdef cppclass RmmCsvParser:
-        bool feed(const char* data, size_t n, vector[TraceEvent]& out)
-        bool finish(vector[TraceEvent]& out)
+        bool feed(const char* data, size_t n, vector[TraceEvent]& out) except +
+        bool finish(vector[TraceEvent]& out) except +
         const vector[string]& columns()
         uint64_t allocate_failures()
 
     cdef cppclass BeforeWindowScanner:
-        void feed(const TraceEvent* records, size_t n)
+        void feed(const TraceEvent* records, size_t n) except +
         vector[TraceEvent] before
 
     cdef cppclass DeviceScan "vmalloc::trace_parse::KinetoScanner::DeviceScan":
@@ -32,9 +34,9 @@ cdef extern from "vmalloc/trace/trace_parse.hpp" namespace "vmalloc::trace_parse
         int64_t peak_allocated, peak_reserved
 
     cdef cppclass KinetoScanner:
-        KinetoScanner(int64_t want_type, int64_t want_id)
-        bool feed(const char* data, size_t n, vector[TraceEvent]& out)
-        bool finish(vector[TraceEvent]& out)
+        KinetoScanner(int64_t want_type, int64_t want_id) except +
+        bool feed(const char* data, size_t n, vector[TraceEvent]& out) except +
+        bool finish(vector[TraceEvent]& out) except +
         vector[pair[string, string]] metadata
         vector[pair[pair[int64_t, int64_t], uint64_t]] devices
         uint64_t out_of_order, ooms, zero_bytes, matched
@@ -48,8 +50,8 @@ cdef extern from "vmalloc/trace/trace_parse.hpp" namespace "vmalloc::trace_parse
         bool kept_dropped
 
     cdef cppclass Normalizer:
-        void live_before(const TraceEvent* events, size_t n)
-        void feed(const TraceEvent* records, size_t n)
+        void live_before(const TraceEvent* events, size_t n) except +
+        void feed(const TraceEvent* records, size_t n) except +
         vector[TraceEvent] pending
         uint64_t skipped[4]
         vector[int] reason_order
