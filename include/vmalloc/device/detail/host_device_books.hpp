@@ -43,13 +43,6 @@ struct HostDevice::Mapping {
   std::size_t size = 0;
   physical_handle handle = 0;
   std::map<std::size_t, std::size_t> access;
-
-  bool covers(std::size_t lo, std::size_t hi) const {
-    auto it = access.upper_bound(lo);
-    if (it == access.begin()) return false;
-    --it;
-    return it->first <= lo && it->second >= hi;
-  }
   // The first offset in [lo, hi) without access, or hi.
   std::size_t first_inaccessible(std::size_t lo, std::size_t hi) const {
     auto it = access.upper_bound(lo);
