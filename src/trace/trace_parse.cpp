@@ -7,6 +7,10 @@
 #include <cstdlib>
 #include <cstring>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace vmalloc::trace_parse {
 namespace {
 
@@ -337,12 +341,25 @@ int ts_value(const Field& ts, double& t) {
   return 1;
 }
 
+// The scanners' cursor, a local copy written back at every return: through the caller's
+// reference the compiler must store it before each byte read (a char may alias it).
+struct Cursor {
+  std::size_t& out;
+  std::size_t p;
+  explicit Cursor(std::size_t& o) : out(o), p(o) {}
+  ~Cursor() { out = p; }
+  Cursor(const Cursor&) = delete;
+  Cursor& operator=(const Cursor&) = delete;
+};
+
 }  // namespace
 
 KinetoScanner::KinetoScanner(std::int64_t want_type, std::int64_t want_id)
     : want_type_(want_type), want_id_(want_id) {}
 
-KinetoScanner::R KinetoScanner::ws(std::size_t& p) {
+KinetoScanner::R KinetoScanner::ws(std::size_t& pos) {
+  Cursor cur(pos);
+  std::size_t& p = cur.p;
   const char* d = buf_.data();
   std::size_t n = buf_.size();
   while (p < n) {
@@ -353,7 +370,35 @@ KinetoScanner::R KinetoScanner::ws(std::size_t& p) {
   return eof_ ? R::bail : R::more;
 }
 
-KinetoScanner::R KinetoScanner::string(std::size_t& p, bool& escaped) {
+// Inline: most strings of a trace are short keys and names without escapes.
+inline KinetoScanner::R KinetoScanner::string(std::size_t& p, bool& escaped) {
+#if defined(__SSE2__)
+  // A plain string that ends within the next sixteen bytes: the first special byte (a quote,
+  // a backslash, a control byte or non-ASCII; a signed "< 0x20" takes the bytes >= 0x80, which
+  // are negative) is its closing quote.
+  const char* d = buf_.data();
+  if (p + 17 <= buf_.size()) {
+    __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(d + p + 1));
+    __m128i hit = _mm_or_si128(
+        _mm_or_si128(_mm_cmpeq_epi8(x, _mm_set1_epi8('"')), _mm_cmpeq_epi8(x, _mm_set1_epi8('\\'))),
+        _mm_cmplt_epi8(x, _mm_set1_epi8(0x20)));
+    unsigned m = static_cast<unsigned>(_mm_movemask_epi8(hit));
+    if (m != 0) {
+      std::size_t q = p + 1 + static_cast<std::size_t>(__builtin_ctz(m));
+      if (d[q] == '"') {
+        escaped = false;
+        p = q + 1;
+        return R::ok;
+      }
+    }
+  }
+#endif
+  return string_rest(p, escaped);
+}
+
+KinetoScanner::R KinetoScanner::string_rest(std::size_t& pos, bool& escaped) {
+  Cursor cur(pos);
+  std::size_t& p = cur.p;
   // p at the opening quote; leaves p after the closing one.
   const unsigned char* d = reinterpret_cast<const unsigned char*>(buf_.data());
   std::size_t n = buf_.size();
@@ -420,7 +465,9 @@ KinetoScanner::R KinetoScanner::string(std::size_t& p, bool& escaped) {
   }
 }
 
-KinetoScanner::R KinetoScanner::number(std::size_t& p, bool& integer) {
+KinetoScanner::R KinetoScanner::number(std::size_t& pos, bool& integer) {
+  Cursor cur(pos);
+  std::size_t& p = cur.p;
   // -?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)? ; a token that reaches the end of the buffer
   // may go on in the next block.
   const char* d = buf_.data();
@@ -471,7 +518,9 @@ KinetoScanner::R KinetoScanner::literal(std::size_t& p, const char* word, std::s
   return R::ok;
 }
 
-KinetoScanner::R KinetoScanner::value(std::size_t& p, int depth) {
+KinetoScanner::R KinetoScanner::value(std::size_t& pos, int depth) {
+  Cursor cur(pos);
+  std::size_t& p = cur.p;
   char c = buf_[p];
   switch (c) {
     case '"': {
@@ -518,7 +567,9 @@ KinetoScanner::R KinetoScanner::value(std::size_t& p, int depth) {
 }
 
 // One element of the events array: validated whole, its memory record appended if it is one.
-KinetoScanner::R KinetoScanner::event(std::size_t& p, Events& out) {
+KinetoScanner::R KinetoScanner::event(std::size_t& pos, Events& out) {
+  Cursor cur(pos);
+  std::size_t& p = cur.p;
   if (buf_[p] != '{') return R::bail;  // "a trace event is not a JSON object"
   Field name, args, ts;
   Field type, id, addr, bytes, allocated, reserved;
@@ -762,7 +813,9 @@ void KinetoScanner::drop_kept() {
 }
 
 // A top-level member other than traceEvents, from its name: kept if its value is a scalar.
-KinetoScanner::R KinetoScanner::member(std::size_t& p) {
+KinetoScanner::R KinetoScanner::member(std::size_t& pos) {
+  Cursor cur(pos);
+  std::size_t& p = cur.p;
   if (buf_[p] != '"') return R::bail;
   std::size_t kb = p;
   bool kesc;

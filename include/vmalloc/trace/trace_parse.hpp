@@ -123,6 +123,7 @@ class KinetoScanner {
   VMALLOC_TRACE_PARSE_INTERNAL R ws(std::size_t& p);
   VMALLOC_TRACE_PARSE_INTERNAL R value(std::size_t& p, int depth);
   VMALLOC_TRACE_PARSE_INTERNAL R string(std::size_t& p, bool& escaped);
+  VMALLOC_TRACE_PARSE_INTERNAL R string_rest(std::size_t& p, bool& escaped);  // the general case
   VMALLOC_TRACE_PARSE_INTERNAL R number(std::size_t& p, bool& integer);
   VMALLOC_TRACE_PARSE_INTERNAL R literal(std::size_t& p, const char* word, std::size_t len);
   VMALLOC_TRACE_PARSE_INTERNAL R event(std::size_t& p, Events& out);
