@@ -95,6 +95,7 @@ class KinetoScanner {
   // had fields the device's own pass would not take: then that pass scans for itself).
   struct DeviceScan {
     BeforeWindowScanner scan;
+    Events pending;  // records not yet fed to scan (fed in batches of scan_batch)
     bool have_allocated = false;
     std::int64_t first_allocated = 0;
     bool first_bytes_negative = false;
@@ -113,6 +114,7 @@ class KinetoScanner {
   // count_devices: the bytes of records the device scans may keep (0: none). Beyond it, or
   // at an event the device's own pass would bail at, every kept record is dropped
   // (kept_dropped) and the device's pass reads the file.
+  static constexpr std::size_t scan_batch = 256;
   static constexpr std::size_t kept_chunk = 16384;  // records per chunk (512 KiB)
   std::size_t keep_limit = 0, kept_bytes = 0;
   bool kept_dropped = false;
