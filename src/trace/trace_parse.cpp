@@ -360,8 +360,8 @@ KinetoScanner::KinetoScanner(std::int64_t want_type, std::int64_t want_id)
 KinetoScanner::R KinetoScanner::ws(std::size_t& pos) {
   Cursor cur(pos);
   std::size_t& p = cur.p;
-  const char* d = buf_.data();
-  std::size_t n = buf_.size();
+  const char* d = d_;
+  std::size_t n = n_;
   while (p < n) {
     char c = d[p];
     if (c != ' ' && c != '\n' && c != '\r' && c != '\t') return R::ok;
@@ -376,8 +376,8 @@ inline KinetoScanner::R KinetoScanner::string(std::size_t& p, bool& escaped) {
   // A plain string that ends within the next sixteen bytes: the first special byte (a quote,
   // a backslash, a control byte or non-ASCII; a signed "< 0x20" takes the bytes >= 0x80, which
   // are negative) is its closing quote.
-  const char* d = buf_.data();
-  if (p + 17 <= buf_.size()) {
+  const char* d = d_;
+  if (p + 17 <= n_) {
     __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(d + p + 1));
     __m128i hit = _mm_or_si128(
         _mm_or_si128(_mm_cmpeq_epi8(x, _mm_set1_epi8('"')), _mm_cmpeq_epi8(x, _mm_set1_epi8('\\'))),
@@ -400,8 +400,8 @@ KinetoScanner::R KinetoScanner::string_rest(std::size_t& pos, bool& escaped) {
   Cursor cur(pos);
   std::size_t& p = cur.p;
   // p at the opening quote; leaves p after the closing one.
-  const unsigned char* d = reinterpret_cast<const unsigned char*>(buf_.data());
-  std::size_t n = buf_.size();
+  const unsigned char* d = reinterpret_cast<const unsigned char*>(d_);
+  std::size_t n = n_;
   escaped = false;
   ++p;
   for (;;) {
@@ -470,8 +470,8 @@ KinetoScanner::R KinetoScanner::number(std::size_t& pos, bool& integer) {
   std::size_t& p = cur.p;
   // -?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)? ; a token that reaches the end of the buffer
   // may go on in the next block.
-  const char* d = buf_.data();
-  std::size_t n = buf_.size();
+  const char* d = d_;
+  std::size_t n = n_;
   std::size_t start = p;
   integer = true;
   auto more = [&]() { return eof_ ? R::bail : R::more; };
@@ -510,9 +510,9 @@ KinetoScanner::R KinetoScanner::number(std::size_t& pos, bool& integer) {
 }
 
 KinetoScanner::R KinetoScanner::literal(std::size_t& p, const char* word, std::size_t len) {
-  std::size_t n = buf_.size();
+  std::size_t n = n_;
   std::size_t have = std::min(len, n - p);
-  if (std::memcmp(buf_.data() + p, word, have) != 0) return R::bail;
+  if (std::memcmp(d_ + p, word, have) != 0) return R::bail;
   if (have < len) return eof_ ? R::bail : R::more;
   p += len;
   return R::ok;
@@ -521,7 +521,7 @@ KinetoScanner::R KinetoScanner::literal(std::size_t& p, const char* word, std::s
 KinetoScanner::R KinetoScanner::value(std::size_t& pos, int depth) {
   Cursor cur(pos);
   std::size_t& p = cur.p;
-  char c = buf_[p];
+  char c = d_[p];
   switch (c) {
     case '"': {
       bool escaped;
@@ -534,23 +534,23 @@ KinetoScanner::R KinetoScanner::value(std::size_t& pos, int depth) {
       ++p;
       R r = ws(p);
       if (r != R::ok) return r;
-      if (buf_[p] == close) {
+      if (d_[p] == close) {
         ++p;
         return R::ok;
       }
       for (;;) {
         if (c == '{') {
-          if (buf_[p] != '"') return R::bail;
+          if (d_[p] != '"') return R::bail;
           bool escaped;
           if ((r = string(p, escaped)) != R::ok) return r;
           if ((r = ws(p)) != R::ok) return r;
-          if (buf_[p] != ':') return R::bail;
+          if (d_[p] != ':') return R::bail;
           ++p;
           if ((r = ws(p)) != R::ok) return r;
         }
         if ((r = value(p, depth + 1)) != R::ok) return r;
         if ((r = ws(p)) != R::ok) return r;
-        char x = buf_[p++];
+        char x = d_[p++];
         if (x == close) return R::ok;
         if (x != ',') return R::bail;
         if ((r = ws(p)) != R::ok) return r;
@@ -570,14 +570,14 @@ KinetoScanner::R KinetoScanner::value(std::size_t& pos, int depth) {
 KinetoScanner::R KinetoScanner::event(std::size_t& pos, Events& out) {
   Cursor cur(pos);
   std::size_t& p = cur.p;
-  if (buf_[p] != '{') return R::bail;  // "a trace event is not a JSON object"
+  if (d_[p] != '{') return R::bail;  // "a trace event is not a JSON object"
   Field name, args, ts;
   Field type, id, addr, bytes, allocated, reserved;
   ++p;
   R r = ws(p);
   if (r != R::ok) return r;
   auto read_field = [&](std::size_t& q, Field& f, int depth) -> R {
-    const char* d = buf_.data();
+    const char* d = d_;
     f.b = d + q;
     char c = d[q];
     R rr;
@@ -586,7 +586,7 @@ KinetoScanner::R KinetoScanner::event(std::size_t& pos, Events& out) {
       rr = string(q, f.escaped);
       f.kind = Field::string;
       f.b += 1;
-      f.e = buf_.data() + q - 1;
+      f.e = d_ + q - 1;
       return rr;
     }
     if (c == '-' || (c >= '0' && c <= '9')) {
@@ -599,26 +599,26 @@ KinetoScanner::R KinetoScanner::event(std::size_t& pos, Events& out) {
       rr = value(q, depth);
       f.kind = c == '{' ? Field::object : Field::other;
     }
-    f.e = buf_.data() + q;
+    f.e = d_ + q;
     return rr;
   };
-  if (buf_[p] != '}') {
+  if (d_[p] != '}') {
     for (;;) {
-      if (buf_[p] != '"') return R::bail;
+      if (d_[p] != '"') return R::bail;
       std::size_t kb = p;
       bool kesc;
       if ((r = string(p, kesc)) != R::ok) return r;
-      const char* k0 = buf_.data() + kb + 1;
-      const char* k1 = buf_.data() + p - 1;
+      const char* k0 = d_ + kb + 1;
+      const char* k1 = d_ + p - 1;
       if ((r = ws(p)) != R::ok) return r;
-      if (buf_[p] != ':') return R::bail;
+      if (d_[p] != ':') return R::bail;
       ++p;
       if ((r = ws(p)) != R::ok) return r;
       if (string_is(k0, k1, kesc, "name", 4)) {
         r = read_field(p, name, 1);
       } else if (string_is(k0, k1, kesc, "ts", 2)) {
         r = read_field(p, ts, 1);
-      } else if (string_is(k0, k1, kesc, "args", 4) && buf_[p] == '{') {
+      } else if (string_is(k0, k1, kesc, "args", 4) && d_[p] == '{') {
         // args: an object whose device and memory fields are kept (the last one wins, as
         // for every repeated key).
         args = Field();
@@ -626,18 +626,18 @@ KinetoScanner::R KinetoScanner::event(std::size_t& pos, Events& out) {
         type = id = addr = bytes = allocated = reserved = Field();
         ++p;
         if ((r = ws(p)) != R::ok) return r;
-        if (buf_[p] == '}') {
+        if (d_[p] == '}') {
           ++p;
         } else {
           for (;;) {
-            if (buf_[p] != '"') return R::bail;
+            if (d_[p] != '"') return R::bail;
             std::size_t ab = p;
             bool aesc;
             if ((r = string(p, aesc)) != R::ok) return r;
-            const char* a0 = buf_.data() + ab + 1;
-            const char* a1 = buf_.data() + p - 1;
+            const char* a0 = d_ + ab + 1;
+            const char* a1 = d_ + p - 1;
             if ((r = ws(p)) != R::ok) return r;
-            if (buf_[p] != ':') return R::bail;
+            if (d_[p] != ':') return R::bail;
             ++p;
             if ((r = ws(p)) != R::ok) return r;
             Field scratch;
@@ -650,7 +650,7 @@ KinetoScanner::R KinetoScanner::event(std::size_t& pos, Events& out) {
             else if (string_is(a0, a1, aesc, "Total Reserved", 14)) f = &reserved;
             if ((r = read_field(p, *f, 2)) != R::ok) return r;
             if ((r = ws(p)) != R::ok) return r;
-            char x = buf_[p++];
+            char x = d_[p++];
             if (x == '}') break;
             if (x != ',') return R::bail;
             if ((r = ws(p)) != R::ok) return r;
@@ -665,7 +665,7 @@ KinetoScanner::R KinetoScanner::event(std::size_t& pos, Events& out) {
       }
       if (r != R::ok) return r;
       if ((r = ws(p)) != R::ok) return r;
-      char x = buf_[p++];
+      char x = d_[p++];
       if (x == '}') break;
       if (x != ',') return R::bail;
       if ((r = ws(p)) != R::ok) return r;
@@ -823,7 +823,7 @@ void KinetoScanner::drop_kept() {
 KinetoScanner::R KinetoScanner::member(std::size_t& pos) {
   Cursor cur(pos);
   std::size_t& p = cur.p;
-  if (buf_[p] != '"') return R::bail;
+  if (d_[p] != '"') return R::bail;
   std::size_t kb = p;
   bool kesc;
   R r = string(p, kesc);
@@ -831,11 +831,11 @@ KinetoScanner::R KinetoScanner::member(std::size_t& pos) {
   std::size_t ke = p;
   if (kesc) return R::bail;
   if ((r = ws(p)) != R::ok) return r;
-  if (buf_[p] != ':') return R::bail;
+  if (d_[p] != ':') return R::bail;
   ++p;
   if ((r = ws(p)) != R::ok) return r;
-  if (ke - kb == 13 && std::memcmp(buf_.data() + kb, "\"traceEvents\"", 13) == 0) {
-    if (buf_[p] != '[') return R::bail;
+  if (ke - kb == 13 && std::memcmp(d_ + kb, "\"traceEvents\"", 13) == 0) {
+    if (d_[p] != '[') return R::bail;
     ++p;
     found_events_ = true;
     state_ = s_arr_first;
@@ -843,10 +843,10 @@ KinetoScanner::R KinetoScanner::member(std::size_t& pos) {
     return R::ok;
   }
   std::size_t vb = p;
-  char c = buf_[p];
+  char c = d_[p];
   if ((r = value(p, 1)) != R::ok) return r;
   if (c != '{' && c != '[')
-    metadata.emplace_back(buf_.substr(kb, ke - kb), buf_.substr(vb, p - vb));
+    metadata.emplace_back(std::string(d_ + kb, ke - kb), std::string(d_ + vb, p - vb));
   state_ = s_obj_after;
   return R::ok;
 }
@@ -857,7 +857,7 @@ KinetoScanner::R KinetoScanner::run(Events& out) {
     R r = ws(p);
     if (r == R::bail && state_ == s_end) return R::ok;  // whitespace to the end of the file
     if (r != R::ok) return r;
-    char c = buf_[p];
+    char c = d_[p];
     switch (state_) {
       case s_start:
         if (c == '{') state_ = s_obj_first;
@@ -875,7 +875,7 @@ KinetoScanner::R KinetoScanner::run(Events& out) {
         break;
       case s_obj_member:
         r = member(p);
-        if (r == R::more && buf_.size() - pos_ > max_json_event) return R::bail;
+        if (r == R::more && n_ - pos_ > max_json_event) return R::bail;
         if (r != R::ok) return r;
         break;
       case s_obj_after:
@@ -896,7 +896,7 @@ KinetoScanner::R KinetoScanner::run(Events& out) {
         std::size_t before = out.size();
         r = event(p, out);
         if (r == R::more) out.resize(before);
-        if (r == R::more && buf_.size() - pos_ > max_json_event) return R::bail;
+        if (r == R::more && n_ - pos_ > max_json_event) return R::bail;
         if (r != R::ok) return r;
         state_ = s_arr_after;
         break;
@@ -915,18 +915,43 @@ KinetoScanner::R KinetoScanner::run(Events& out) {
 }
 
 bool KinetoScanner::feed(const char* data, std::size_t n, Events& out) {
-  if (pos_ > 0) {
-    buf_.erase(0, pos_);
-    pos_ = 0;
+  // An event cut by the end of the block is parsed again, whole, once the next block has
+  // its end: event() counts and appends only once an event is complete, so nothing is
+  // counted twice. Only that event's bytes are copied (buf_); the rest of the block is
+  // parsed where the caller holds it.
+  std::size_t from = 0;  // where in data the direct parse starts
+  if (!buf_.empty()) {
+    std::size_t carry = n_;  // pos_ == 0: feed() keeps only the unparsed tail
+    std::size_t take = std::min(n, stitch_bytes);
+    buf_.append(data, take);
+    view(buf_);
+    if (run(out) == R::bail) return false;
+    if (pos_ < carry && take < n) {  // a longer event: the whole block, as it needs
+      buf_.append(data + take, n - take);
+      view(buf_);
+      if (run(out) == R::bail) return false;
+    }
+    if (pos_ < carry) {  // still cut: all of the block is in buf_
+      buf_.erase(0, pos_);
+      pos_ = 0;
+      return true;
+    }
+    from = pos_ - carry;
+    buf_.clear();
   }
-  buf_.append(data, n);
-  // An event cut by the end of the block is parsed again, whole, from the next block:
-  // event() counts and appends only once an event is complete, so nothing is counted twice.
-  return run(out) != R::bail;
+  d_ = data;
+  n_ = n;
+  pos_ = from;
+  if (run(out) == R::bail) return false;
+  buf_.assign(data + pos_, n - pos_);
+  pos_ = 0;
+  view(buf_);  // data is the caller's only until this returns
+  return true;
 }
 
 bool KinetoScanner::finish(Events& out) {
   eof_ = true;
+  view(buf_);
   if (run(out) != R::ok) return false;
   for (auto& d : device_scans) {
     d.scan.feed(d.pending.data(), d.pending.size());

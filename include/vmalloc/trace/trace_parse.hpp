@@ -133,9 +133,18 @@ class KinetoScanner {
   VMALLOC_TRACE_PARSE_INTERNAL std::size_t count_device(std::int64_t type, std::int64_t id);
   VMALLOC_TRACE_PARSE_INTERNAL void drop_kept();
 
+  void view(const std::string& s) {
+    d_ = s.data();
+    n_ = s.size();
+  }
+  // How much of a block is first added to a cut event (most events are far shorter).
+  static constexpr std::size_t stitch_bytes = 16384;
+
   std::int64_t want_type_, want_id_;
-  std::string buf_;
-  std::size_t pos_ = 0;
+  std::string buf_;  // the unparsed tail of the blocks so far (a cut event), and its stitching
+  const char* d_ = nullptr;  // the text parsed: buf_ or the caller's block
+  std::size_t n_ = 0;
+  std::size_t pos_ = 0;  // in d_
   bool eof_ = false;
   int state_ = 0;
   bool in_object_ = false;
