@@ -272,16 +272,29 @@ inline __attribute__((always_inline)) bool string_is(const char* b, const char* 
   return string_is_escaped(b, e, word, len);
 }
 
+// Decimal digits as uint64; false if the value does not fit. Up to 19 digits always fit, so
+// only longer tokens pay for the overflow checks.
+inline bool digits_u64(const char* b, const char* e, std::uint64_t& out) {
+  std::uint64_t v = 0;
+  if (e - b <= 19) {
+    for (; b < e; ++b) v = v * 10 + static_cast<unsigned>(static_cast<unsigned char>(*b) - '0');
+    out = v;
+    return true;
+  }
+  for (; b < e; ++b) {
+    unsigned d = static_cast<unsigned char>(*b) - '0';
+    if (__builtin_mul_overflow(v, 10u, &v) || __builtin_add_overflow(v, d, &v)) return false;
+  }
+  out = v;
+  return true;
+}
+
 // A JSON integer token as int64; false if it does not fit.
 bool token_int64(const char* b, const char* e, std::int64_t& out) {
   bool neg = *b == '-';
   if (neg) ++b;
-  std::uint64_t v = 0;
-  for (; b < e; ++b) {
-    unsigned d = static_cast<unsigned char>(*b) - '0';
-    if (v > (UINT64_MAX - d) / 10) return false;
-    v = v * 10 + d;
-  }
+  std::uint64_t v;
+  if (!digits_u64(b, e, v)) return false;
   if (neg) {
     if (v > (1ull << 63)) return false;
     out = static_cast<std::int64_t>(0 - v);
@@ -296,14 +309,7 @@ bool token_int64(const char* b, const char* e, std::int64_t& out) {
 bool token_magnitude(const char* b, const char* e, bool& neg, std::uint64_t& mag) {
   neg = *b == '-';
   if (neg) ++b;
-  std::uint64_t v = 0;
-  for (; b < e; ++b) {
-    unsigned d = static_cast<unsigned char>(*b) - '0';
-    if (v > (UINT64_MAX - d) / 10) return false;
-    v = v * 10 + d;
-  }
-  mag = v;
-  return true;
+  return digits_u64(b, e, mag);
 }
 
 // A value's kind and span, as found in an event.
