@@ -7,6 +7,10 @@
 #include <cstdlib>
 #include <cstring>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace vmalloc::trace_parse {
 namespace {
 
@@ -268,16 +272,29 @@ inline __attribute__((always_inline)) bool string_is(const char* b, const char* 
   return string_is_escaped(b, e, word, len);
 }
 
+// Decimal digits as uint64; false if the value does not fit. Up to 19 digits always fit, so
+// only longer tokens pay for the overflow checks.
+inline bool digits_u64(const char* b, const char* e, std::uint64_t& out) {
+  std::uint64_t v = 0;
+  if (e - b <= 19) {
+    for (; b < e; ++b) v = v * 10 + static_cast<unsigned>(static_cast<unsigned char>(*b) - '0');
+    out = v;
+    return true;
+  }
+  for (; b < e; ++b) {
+    unsigned d = static_cast<unsigned char>(*b) - '0';
+    if (__builtin_mul_overflow(v, 10u, &v) || __builtin_add_overflow(v, d, &v)) return false;
+  }
+  out = v;
+  return true;
+}
+
 // A JSON integer token as int64; false if it does not fit.
 bool token_int64(const char* b, const char* e, std::int64_t& out) {
   bool neg = *b == '-';
   if (neg) ++b;
-  std::uint64_t v = 0;
-  for (; b < e; ++b) {
-    unsigned d = static_cast<unsigned char>(*b) - '0';
-    if (v > (UINT64_MAX - d) / 10) return false;
-    v = v * 10 + d;
-  }
+  std::uint64_t v;
+  if (!digits_u64(b, e, v)) return false;
   if (neg) {
     if (v > (1ull << 63)) return false;
     out = static_cast<std::int64_t>(0 - v);
@@ -292,14 +309,7 @@ bool token_int64(const char* b, const char* e, std::int64_t& out) {
 bool token_magnitude(const char* b, const char* e, bool& neg, std::uint64_t& mag) {
   neg = *b == '-';
   if (neg) ++b;
-  std::uint64_t v = 0;
-  for (; b < e; ++b) {
-    unsigned d = static_cast<unsigned char>(*b) - '0';
-    if (v > (UINT64_MAX - d) / 10) return false;
-    v = v * 10 + d;
-  }
-  mag = v;
-  return true;
+  return digits_u64(b, e, mag);
 }
 
 // A value's kind and span, as found in an event.
@@ -337,14 +347,27 @@ int ts_value(const Field& ts, double& t) {
   return 1;
 }
 
+// The scanners' cursor, a local copy written back at every return: through the caller's
+// reference the compiler must store it before each byte read (a char may alias it).
+struct Cursor {
+  std::size_t& out;
+  std::size_t p;
+  explicit Cursor(std::size_t& o) : out(o), p(o) {}
+  ~Cursor() { out = p; }
+  Cursor(const Cursor&) = delete;
+  Cursor& operator=(const Cursor&) = delete;
+};
+
 }  // namespace
 
 KinetoScanner::KinetoScanner(std::int64_t want_type, std::int64_t want_id)
     : want_type_(want_type), want_id_(want_id) {}
 
-KinetoScanner::R KinetoScanner::ws(std::size_t& p) {
-  const char* d = buf_.data();
-  std::size_t n = buf_.size();
+KinetoScanner::R KinetoScanner::ws(std::size_t& pos) {
+  Cursor cur(pos);
+  std::size_t& p = cur.p;
+  const char* d = d_;
+  std::size_t n = n_;
   while (p < n) {
     char c = d[p];
     if (c != ' ' && c != '\n' && c != '\r' && c != '\t') return R::ok;
@@ -353,10 +376,38 @@ KinetoScanner::R KinetoScanner::ws(std::size_t& p) {
   return eof_ ? R::bail : R::more;
 }
 
-KinetoScanner::R KinetoScanner::string(std::size_t& p, bool& escaped) {
+// Inline: most strings of a trace are short keys and names without escapes.
+inline KinetoScanner::R KinetoScanner::string(std::size_t& p, bool& escaped) {
+#if defined(__SSE2__)
+  // A plain string that ends within the next sixteen bytes: the first special byte (a quote,
+  // a backslash, a control byte or non-ASCII; a signed "< 0x20" takes the bytes >= 0x80, which
+  // are negative) is its closing quote.
+  const char* d = d_;
+  if (p + 17 <= n_) {
+    __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(d + p + 1));
+    __m128i hit = _mm_or_si128(
+        _mm_or_si128(_mm_cmpeq_epi8(x, _mm_set1_epi8('"')), _mm_cmpeq_epi8(x, _mm_set1_epi8('\\'))),
+        _mm_cmplt_epi8(x, _mm_set1_epi8(0x20)));
+    unsigned m = static_cast<unsigned>(_mm_movemask_epi8(hit));
+    if (m != 0) {
+      std::size_t q = p + 1 + static_cast<std::size_t>(__builtin_ctz(m));
+      if (d[q] == '"') {
+        escaped = false;
+        p = q + 1;
+        return R::ok;
+      }
+    }
+  }
+#endif
+  return string_rest(p, escaped);
+}
+
+KinetoScanner::R KinetoScanner::string_rest(std::size_t& pos, bool& escaped) {
+  Cursor cur(pos);
+  std::size_t& p = cur.p;
   // p at the opening quote; leaves p after the closing one.
-  const unsigned char* d = reinterpret_cast<const unsigned char*>(buf_.data());
-  std::size_t n = buf_.size();
+  const unsigned char* d = reinterpret_cast<const unsigned char*>(d_);
+  std::size_t n = n_;
   escaped = false;
   ++p;
   for (;;) {
@@ -420,11 +471,13 @@ KinetoScanner::R KinetoScanner::string(std::size_t& p, bool& escaped) {
   }
 }
 
-KinetoScanner::R KinetoScanner::number(std::size_t& p, bool& integer) {
+KinetoScanner::R KinetoScanner::number(std::size_t& pos, bool& integer) {
+  Cursor cur(pos);
+  std::size_t& p = cur.p;
   // -?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)? ; a token that reaches the end of the buffer
   // may go on in the next block.
-  const char* d = buf_.data();
-  std::size_t n = buf_.size();
+  const char* d = d_;
+  std::size_t n = n_;
   std::size_t start = p;
   integer = true;
   auto more = [&]() { return eof_ ? R::bail : R::more; };
@@ -463,16 +516,18 @@ KinetoScanner::R KinetoScanner::number(std::size_t& p, bool& integer) {
 }
 
 KinetoScanner::R KinetoScanner::literal(std::size_t& p, const char* word, std::size_t len) {
-  std::size_t n = buf_.size();
+  std::size_t n = n_;
   std::size_t have = std::min(len, n - p);
-  if (std::memcmp(buf_.data() + p, word, have) != 0) return R::bail;
+  if (std::memcmp(d_ + p, word, have) != 0) return R::bail;
   if (have < len) return eof_ ? R::bail : R::more;
   p += len;
   return R::ok;
 }
 
-KinetoScanner::R KinetoScanner::value(std::size_t& p, int depth) {
-  char c = buf_[p];
+KinetoScanner::R KinetoScanner::value(std::size_t& pos, int depth) {
+  Cursor cur(pos);
+  std::size_t& p = cur.p;
+  char c = d_[p];
   switch (c) {
     case '"': {
       bool escaped;
@@ -485,23 +540,23 @@ KinetoScanner::R KinetoScanner::value(std::size_t& p, int depth) {
       ++p;
       R r = ws(p);
       if (r != R::ok) return r;
-      if (buf_[p] == close) {
+      if (d_[p] == close) {
         ++p;
         return R::ok;
       }
       for (;;) {
         if (c == '{') {
-          if (buf_[p] != '"') return R::bail;
+          if (d_[p] != '"') return R::bail;
           bool escaped;
           if ((r = string(p, escaped)) != R::ok) return r;
           if ((r = ws(p)) != R::ok) return r;
-          if (buf_[p] != ':') return R::bail;
+          if (d_[p] != ':') return R::bail;
           ++p;
           if ((r = ws(p)) != R::ok) return r;
         }
         if ((r = value(p, depth + 1)) != R::ok) return r;
         if ((r = ws(p)) != R::ok) return r;
-        char x = buf_[p++];
+        char x = d_[p++];
         if (x == close) return R::ok;
         if (x != ',') return R::bail;
         if ((r = ws(p)) != R::ok) return r;
@@ -518,15 +573,17 @@ KinetoScanner::R KinetoScanner::value(std::size_t& p, int depth) {
 }
 
 // One element of the events array: validated whole, its memory record appended if it is one.
-KinetoScanner::R KinetoScanner::event(std::size_t& p, Events& out) {
-  if (buf_[p] != '{') return R::bail;  // "a trace event is not a JSON object"
+KinetoScanner::R KinetoScanner::event(std::size_t& pos, Events& out) {
+  Cursor cur(pos);
+  std::size_t& p = cur.p;
+  if (d_[p] != '{') return R::bail;  // "a trace event is not a JSON object"
   Field name, args, ts;
   Field type, id, addr, bytes, allocated, reserved;
   ++p;
   R r = ws(p);
   if (r != R::ok) return r;
   auto read_field = [&](std::size_t& q, Field& f, int depth) -> R {
-    const char* d = buf_.data();
+    const char* d = d_;
     f.b = d + q;
     char c = d[q];
     R rr;
@@ -535,7 +592,7 @@ KinetoScanner::R KinetoScanner::event(std::size_t& p, Events& out) {
       rr = string(q, f.escaped);
       f.kind = Field::string;
       f.b += 1;
-      f.e = buf_.data() + q - 1;
+      f.e = d_ + q - 1;
       return rr;
     }
     if (c == '-' || (c >= '0' && c <= '9')) {
@@ -548,26 +605,26 @@ KinetoScanner::R KinetoScanner::event(std::size_t& p, Events& out) {
       rr = value(q, depth);
       f.kind = c == '{' ? Field::object : Field::other;
     }
-    f.e = buf_.data() + q;
+    f.e = d_ + q;
     return rr;
   };
-  if (buf_[p] != '}') {
+  if (d_[p] != '}') {
     for (;;) {
-      if (buf_[p] != '"') return R::bail;
+      if (d_[p] != '"') return R::bail;
       std::size_t kb = p;
       bool kesc;
       if ((r = string(p, kesc)) != R::ok) return r;
-      const char* k0 = buf_.data() + kb + 1;
-      const char* k1 = buf_.data() + p - 1;
+      const char* k0 = d_ + kb + 1;
+      const char* k1 = d_ + p - 1;
       if ((r = ws(p)) != R::ok) return r;
-      if (buf_[p] != ':') return R::bail;
+      if (d_[p] != ':') return R::bail;
       ++p;
       if ((r = ws(p)) != R::ok) return r;
       if (string_is(k0, k1, kesc, "name", 4)) {
         r = read_field(p, name, 1);
       } else if (string_is(k0, k1, kesc, "ts", 2)) {
         r = read_field(p, ts, 1);
-      } else if (string_is(k0, k1, kesc, "args", 4) && buf_[p] == '{') {
+      } else if (string_is(k0, k1, kesc, "args", 4) && d_[p] == '{') {
         // args: an object whose device and memory fields are kept (the last one wins, as
         // for every repeated key).
         args = Field();
@@ -575,18 +632,18 @@ KinetoScanner::R KinetoScanner::event(std::size_t& p, Events& out) {
         type = id = addr = bytes = allocated = reserved = Field();
         ++p;
         if ((r = ws(p)) != R::ok) return r;
-        if (buf_[p] == '}') {
+        if (d_[p] == '}') {
           ++p;
         } else {
           for (;;) {
-            if (buf_[p] != '"') return R::bail;
+            if (d_[p] != '"') return R::bail;
             std::size_t ab = p;
             bool aesc;
             if ((r = string(p, aesc)) != R::ok) return r;
-            const char* a0 = buf_.data() + ab + 1;
-            const char* a1 = buf_.data() + p - 1;
+            const char* a0 = d_ + ab + 1;
+            const char* a1 = d_ + p - 1;
             if ((r = ws(p)) != R::ok) return r;
-            if (buf_[p] != ':') return R::bail;
+            if (d_[p] != ':') return R::bail;
             ++p;
             if ((r = ws(p)) != R::ok) return r;
             Field scratch;
@@ -599,7 +656,7 @@ KinetoScanner::R KinetoScanner::event(std::size_t& p, Events& out) {
             else if (string_is(a0, a1, aesc, "Total Reserved", 14)) f = &reserved;
             if ((r = read_field(p, *f, 2)) != R::ok) return r;
             if ((r = ws(p)) != R::ok) return r;
-            char x = buf_[p++];
+            char x = d_[p++];
             if (x == '}') break;
             if (x != ',') return R::bail;
             if ((r = ws(p)) != R::ok) return r;
@@ -614,7 +671,7 @@ KinetoScanner::R KinetoScanner::event(std::size_t& p, Events& out) {
       }
       if (r != R::ok) return r;
       if ((r = ws(p)) != R::ok) return r;
-      char x = buf_[p++];
+      char x = d_[p++];
       if (x == '}') break;
       if (x != ',') return R::bail;
       if ((r = ws(p)) != R::ok) return r;
@@ -656,7 +713,14 @@ KinetoScanner::R KinetoScanner::event(std::size_t& p, Events& out) {
       d.first_bytes = mag;
     }
     TraceEvent e = make_event(neg ? TraceEvent::op_free : TraceEvent::op_alloc, 0, a, mag);
-    if (mag != 0) d.scan.feed(&e, 1);
+    if (mag != 0) {
+      // Batched, so that the scan's table probes overlap (finish() feeds the rest).
+      d.pending.push_back(e);
+      if (d.pending.size() == scan_batch) {
+        d.scan.feed(d.pending.data(), d.pending.size());
+        d.pending.clear();
+      }
+    }
     if (keep_limit == 0 || kept_dropped) return R::ok;
     // What the device's own pass does with the event (the checks above are its own too).
     std::int64_t total_reserved = 0;
@@ -762,8 +826,10 @@ void KinetoScanner::drop_kept() {
 }
 
 // A top-level member other than traceEvents, from its name: kept if its value is a scalar.
-KinetoScanner::R KinetoScanner::member(std::size_t& p) {
-  if (buf_[p] != '"') return R::bail;
+KinetoScanner::R KinetoScanner::member(std::size_t& pos) {
+  Cursor cur(pos);
+  std::size_t& p = cur.p;
+  if (d_[p] != '"') return R::bail;
   std::size_t kb = p;
   bool kesc;
   R r = string(p, kesc);
@@ -771,11 +837,11 @@ KinetoScanner::R KinetoScanner::member(std::size_t& p) {
   std::size_t ke = p;
   if (kesc) return R::bail;
   if ((r = ws(p)) != R::ok) return r;
-  if (buf_[p] != ':') return R::bail;
+  if (d_[p] != ':') return R::bail;
   ++p;
   if ((r = ws(p)) != R::ok) return r;
-  if (ke - kb == 13 && std::memcmp(buf_.data() + kb, "\"traceEvents\"", 13) == 0) {
-    if (buf_[p] != '[') return R::bail;
+  if (ke - kb == 13 && std::memcmp(d_ + kb, "\"traceEvents\"", 13) == 0) {
+    if (d_[p] != '[') return R::bail;
     ++p;
     found_events_ = true;
     state_ = s_arr_first;
@@ -783,10 +849,10 @@ KinetoScanner::R KinetoScanner::member(std::size_t& p) {
     return R::ok;
   }
   std::size_t vb = p;
-  char c = buf_[p];
+  char c = d_[p];
   if ((r = value(p, 1)) != R::ok) return r;
   if (c != '{' && c != '[')
-    metadata.emplace_back(buf_.substr(kb, ke - kb), buf_.substr(vb, p - vb));
+    metadata.emplace_back(std::string(d_ + kb, ke - kb), std::string(d_ + vb, p - vb));
   state_ = s_obj_after;
   return R::ok;
 }
@@ -797,7 +863,7 @@ KinetoScanner::R KinetoScanner::run(Events& out) {
     R r = ws(p);
     if (r == R::bail && state_ == s_end) return R::ok;  // whitespace to the end of the file
     if (r != R::ok) return r;
-    char c = buf_[p];
+    char c = d_[p];
     switch (state_) {
       case s_start:
         if (c == '{') state_ = s_obj_first;
@@ -815,7 +881,7 @@ KinetoScanner::R KinetoScanner::run(Events& out) {
         break;
       case s_obj_member:
         r = member(p);
-        if (r == R::more && buf_.size() - pos_ > max_json_event) return R::bail;
+        if (r == R::more && n_ - pos_ > max_json_event) return R::bail;
         if (r != R::ok) return r;
         break;
       case s_obj_after:
@@ -836,7 +902,7 @@ KinetoScanner::R KinetoScanner::run(Events& out) {
         std::size_t before = out.size();
         r = event(p, out);
         if (r == R::more) out.resize(before);
-        if (r == R::more && buf_.size() - pos_ > max_json_event) return R::bail;
+        if (r == R::more && n_ - pos_ > max_json_event) return R::bail;
         if (r != R::ok) return r;
         state_ = s_arr_after;
         break;
@@ -855,19 +921,48 @@ KinetoScanner::R KinetoScanner::run(Events& out) {
 }
 
 bool KinetoScanner::feed(const char* data, std::size_t n, Events& out) {
-  if (pos_ > 0) {
-    buf_.erase(0, pos_);
-    pos_ = 0;
+  // An event cut by the end of the block is parsed again, whole, once the next block has
+  // its end: event() counts and appends only once an event is complete, so nothing is
+  // counted twice. Only that event's bytes are copied (buf_); the rest of the block is
+  // parsed where the caller holds it.
+  std::size_t from = 0;  // where in data the direct parse starts
+  if (!buf_.empty()) {
+    std::size_t carry = n_;  // pos_ == 0: feed() keeps only the unparsed tail
+    std::size_t take = std::min(n, stitch_bytes);
+    buf_.append(data, take);
+    view(buf_);
+    if (run(out) == R::bail) return false;
+    if (pos_ < carry && take < n) {  // a longer event: the whole block, as it needs
+      buf_.append(data + take, n - take);
+      view(buf_);
+      if (run(out) == R::bail) return false;
+    }
+    if (pos_ < carry) {  // still cut: all of the block is in buf_
+      buf_.erase(0, pos_);
+      pos_ = 0;
+      return true;
+    }
+    from = pos_ - carry;
+    buf_.clear();
   }
-  buf_.append(data, n);
-  // An event cut by the end of the block is parsed again, whole, from the next block:
-  // event() counts and appends only once an event is complete, so nothing is counted twice.
-  return run(out) != R::bail;
+  d_ = data;
+  n_ = n;
+  pos_ = from;
+  if (run(out) == R::bail) return false;
+  buf_.assign(data + pos_, n - pos_);
+  pos_ = 0;
+  view(buf_);  // data is the caller's only until this returns
+  return true;
 }
 
 bool KinetoScanner::finish(Events& out) {
   eof_ = true;
+  view(buf_);
   if (run(out) != R::ok) return false;
+  for (auto& d : device_scans) {
+    d.scan.feed(d.pending.data(), d.pending.size());
+    Events().swap(d.pending);
+  }
   if (state_ != s_end) return false;
   if (devices.empty()) return false;  // the Python reader words the error
   if (matched == 0 && want_type_ != count_devices) return false;
@@ -999,7 +1094,15 @@ void BeforeWindowScanner::feed(const TraceEvent* records, std::size_t n) {
   // scan_before_window: an address is live from its ALLOC (of a size) to its next FREE; a
   // FREE of an address never seen before names memory allocated before the window.
   bool found;
+  // Each probe is a likely cache miss in a large table: fetch the slot of a record a few
+  // ahead while this one is looked up (a grow() in between only wastes the prefetch).
+  constexpr std::size_t ahead = 8;
   for (std::size_t i = 0; i < n; ++i) {
+    if (i + ahead < n && !keys_.empty()) {
+      std::uint64_t a = records[i + ahead].addr;
+      __builtin_prefetch(keys_.data() +
+                         static_cast<std::size_t>((a * 0x9E3779B97F4A7C15ull) >> shift_));
+    }
     const TraceEvent& r = records[i];
     if (r.addr == 0) continue;
     if (r.op == TraceEvent::op_alloc) {

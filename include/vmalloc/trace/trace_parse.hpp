@@ -95,6 +95,7 @@ class KinetoScanner {
   // had fields the device's own pass would not take: then that pass scans for itself).
   struct DeviceScan {
     BeforeWindowScanner scan;
+    Events pending;  // records not yet fed to scan (fed in batches of scan_batch)
     bool have_allocated = false;
     std::int64_t first_allocated = 0;
     bool first_bytes_negative = false;
@@ -113,6 +114,7 @@ class KinetoScanner {
   // count_devices: the bytes of records the device scans may keep (0: none). Beyond it, or
   // at an event the device's own pass would bail at, every kept record is dropped
   // (kept_dropped) and the device's pass reads the file.
+  static constexpr std::size_t scan_batch = 256;
   static constexpr std::size_t kept_chunk = 16384;  // records per chunk (512 KiB)
   std::size_t keep_limit = 0, kept_bytes = 0;
   bool kept_dropped = false;
@@ -123,6 +125,7 @@ class KinetoScanner {
   VMALLOC_TRACE_PARSE_INTERNAL R ws(std::size_t& p);
   VMALLOC_TRACE_PARSE_INTERNAL R value(std::size_t& p, int depth);
   VMALLOC_TRACE_PARSE_INTERNAL R string(std::size_t& p, bool& escaped);
+  VMALLOC_TRACE_PARSE_INTERNAL R string_rest(std::size_t& p, bool& escaped);  // the general case
   VMALLOC_TRACE_PARSE_INTERNAL R number(std::size_t& p, bool& integer);
   VMALLOC_TRACE_PARSE_INTERNAL R literal(std::size_t& p, const char* word, std::size_t len);
   VMALLOC_TRACE_PARSE_INTERNAL R event(std::size_t& p, Events& out);
@@ -130,9 +133,18 @@ class KinetoScanner {
   VMALLOC_TRACE_PARSE_INTERNAL std::size_t count_device(std::int64_t type, std::int64_t id);
   VMALLOC_TRACE_PARSE_INTERNAL void drop_kept();
 
+  void view(const std::string& s) {
+    d_ = s.data();
+    n_ = s.size();
+  }
+  // How much of a block is first added to a cut event (most events are far shorter).
+  static constexpr std::size_t stitch_bytes = 16384;
+
   std::int64_t want_type_, want_id_;
-  std::string buf_;
-  std::size_t pos_ = 0;
+  std::string buf_;  // the unparsed tail of the blocks so far (a cut event), and its stitching
+  const char* d_ = nullptr;  // the text parsed: buf_ or the caller's block
+  std::size_t n_ = 0;
+  std::size_t pos_ = 0;  // in d_
   bool eof_ = false;
   int state_ = 0;
   bool in_object_ = false;
