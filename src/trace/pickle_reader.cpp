@@ -4,6 +4,8 @@
 
 #include <cstring>
 
+#include "vmalloc/trace/detail/utf8.hpp"
+
 namespace vmalloc::trace_parse {
 namespace {
 
@@ -66,24 +68,9 @@ bool valid_utf8(const unsigned char* p, std::uint64_t n) {
       ++i;
       continue;
     }
-    std::uint64_t len;
-    unsigned lo = 0x80, hi = 0xBF;
-    if (c >= 0xC2 && c <= 0xDF) {
-      len = 2;
-    } else if (c >= 0xE0 && c <= 0xEF) {
-      len = 3;
-      if (c == 0xE0) lo = 0xA0;
-    } else if (c >= 0xF0 && c <= 0xF4) {
-      len = 4;
-      if (c == 0xF0) lo = 0x90;
-      if (c == 0xF4) hi = 0x8F;
-    } else {
+    std::size_t len;
+    if (detail::utf8_sequence(p + i, n - i, /*surrogates=*/true, len) != detail::Utf8::ok)
       return false;
-    }
-    if (i + len > n) return false;
-    if (p[i + 1] < lo || p[i + 1] > hi) return false;
-    for (std::uint64_t k = 2; k < len; ++k)
-      if (p[i + k] < 0x80 || p[i + k] > 0xBF) return false;
     i += len;
   }
   return true;

@@ -11,6 +11,8 @@
 #include <emmintrin.h>
 #endif
 
+#include "vmalloc/trace/detail/utf8.hpp"
+
 namespace vmalloc::trace_parse {
 namespace {
 
@@ -449,24 +451,11 @@ KinetoScanner::R KinetoScanner::string_rest(std::size_t& pos, bool& escaped) {
     if (c < 0x20) return R::bail;  // strict: no raw control characters
     // UTF-8, as Python's strict decoder: no overlongs, surrogates or code points > U+10FFFF.
     std::size_t len;
-    unsigned lo = 0x80, hi = 0xBF;
-    if (c >= 0xC2 && c <= 0xDF) {
-      len = 2;
-    } else if (c >= 0xE0 && c <= 0xEF) {
-      len = 3;
-      if (c == 0xE0) lo = 0xA0;
-      if (c == 0xED) hi = 0x9F;
-    } else if (c >= 0xF0 && c <= 0xF4) {
-      len = 4;
-      if (c == 0xF0) lo = 0x90;
-      if (c == 0xF4) hi = 0x8F;
-    } else {
-      return R::bail;
+    switch (detail::utf8_sequence(d + p, n - p, /*surrogates=*/false, len)) {
+      case detail::Utf8::invalid: return R::bail;
+      case detail::Utf8::cut: return eof_ ? R::bail : R::more;
+      case detail::Utf8::ok: break;
     }
-    if (p + len > n) return eof_ ? R::bail : R::more;
-    if (d[p + 1] < lo || d[p + 1] > hi) return R::bail;
-    for (std::size_t k = 2; k < len; ++k)
-      if (d[p + k] < 0x80 || d[p + k] > 0xBF) return R::bail;
     p += len;
   }
 }
