@@ -137,7 +137,10 @@ def _parser():
 
     p = sub.add_parser("convert", help="convert a trace to another format",
                        description="Convert a trace file of any format vmalloc reads to "
-                                   ".vmtrace or to an RMM log (.csv), as DST's name says.")
+                                   ".vmtrace or to an RMM log (.csv), as DST's name says, or "
+                                   "with --to torch-snapshot to a PyTorch memory snapshot "
+                                   "(the pickle torch.cuda.memory._dump_snapshot writes), "
+                                   "which PyTorch's memory viewer opens.")
     p.add_argument("src", metavar="SRC", help="the trace to convert (any format vmalloc reads)")
     p.add_argument("dst", metavar="DST",
                    help="the file to write: .vmtrace, .csv (an RMM log) or, with --to "
@@ -146,6 +149,10 @@ def _parser():
     p.add_argument("--device", default="auto",
                    help="the device whose events to keep: auto (the default: the trace's only "
                         "GPU device), a CUDA ordinal, cuda:N or cpu")
+    p.add_argument("--to", choices=("auto", "torch-snapshot"), default="auto",
+                   help="the format to write: auto (the default: as DST's name says, "
+                        ".vmtrace or .csv) or torch-snapshot (a pickle for "
+                        "https://pytorch.org/memory_viz)")
 
     from vmalloc.offload.cli import add_parser as add_offload_parser
 
@@ -389,6 +396,16 @@ def _convert_command(args):
     except ImportError:
         raise _CliError("trace conversion (vmalloc.traces.convert) is not part of this "
                         "installation") from None
+    if args.to == "torch-snapshot":
+        from vmalloc.traces.torch_export import snapshot_from_trace, write_snapshot
+
+        snapshot = snapshot_from_trace(args.src, format=args.format, device=args.device)
+        write_snapshot(snapshot, args.dst)
+        events = len(snapshot["device_traces"][-1])
+        print(f"{args.src} -> {args.dst} (a PyTorch memory snapshot: {events:,} actions, "
+              f"{len(snapshot['segments']):,} live blocks; open it at "
+              "https://pytorch.org/memory_viz)", file=sys.stderr)
+        return 0
     convert(args.src, args.dst, format=args.format, device=args.device)
     print(f"{args.src} -> {args.dst}", file=sys.stderr)
     return 0
@@ -470,7 +487,7 @@ def main(argv=None):
             return _bench_command(argv[1:])
         args = _parser().parse_args(argv)
         _check_outputs(args)
-        if args.command == "convert":
+        if args.command == "convert" and args.to == "auto":
             from vmalloc.traces.convert import destination_format
 
             destination_format(args.dst)  # before reading the source
