@@ -2,10 +2,12 @@
 that PyTorch's memory viewer (https://pytorch.org/memory_viz) opens, from vmalloc's own
 allocator (through a LoggingAllocator) and from the trace shipped with vmalloc.
 
-Run: python examples/torch_memory_snapshot.py   (writes two .pickle files in the current folder)
+Run: python examples/torch_memory_snapshot.py [FOLDER]   (writes two .pickle files in FOLDER,
+by default a temporary folder)
 """
 
 import os
+import sys
 import tempfile
 
 import vmalloc
@@ -14,7 +16,7 @@ from vmalloc.traces import builtin_traces, open_trace
 from vmalloc.traces.torch_export import snapshot_from_trace, write_snapshot
 
 
-def main():
+def main(folder):
     device = vmalloc.HostDevice(capacity="1GiB", backed=False)   # CudaDevice(0) on a GPU
     with tempfile.TemporaryDirectory() as tmp:
         log = vmalloc.LoggingAllocator(vmalloc.VirtualAllocator(device),
@@ -27,7 +29,8 @@ def main():
                 for p in reversed(acts):
                     log.deallocate(p)
             print(vmalloc.torch.memory_summary())
-            path = write_snapshot(vmalloc.torch.memory_snapshot(), "vmalloc_allocator.pickle")
+            path = write_snapshot(vmalloc.torch.memory_snapshot(),
+                                  os.path.join(folder, "vmalloc_allocator.pickle"))
             history = open_trace(path).events()
             print(f"{path}: {len(history)} events read back (10 allocations, 9 frees)")
             assert len(history) == 19
@@ -37,11 +40,16 @@ def main():
             log.close()
 
     shipped = builtin_traces()["transformer_lm_cpu"]
-    path = write_snapshot(snapshot_from_trace(shipped), "transformer_lm_cpu.pickle")
+    path = write_snapshot(snapshot_from_trace(shipped),
+                          os.path.join(folder, "transformer_lm_cpu.pickle"))
     assert len(open_trace(path).events()) == len(open_trace(shipped).events())
     print(f"{path}: the shipped trace as a PyTorch snapshot; open it at "
           "https://pytorch.org/memory_viz")
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1:
+        main(sys.argv[1])
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            main(tmp)

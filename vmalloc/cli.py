@@ -16,15 +16,16 @@ import sys
 
 from vmalloc import allocator_kinds
 from vmalloc.errors import VmallocError
+from vmalloc._cli_errors import CliError as _CliError
+from vmalloc._cli_errors import flag_for as _flag_for
+from vmalloc._cli_errors import in_cli_terms as _in_cli_terms
+from vmalloc._cli_errors import prog as _prog
+from vmalloc._cli_errors import user_errors as _user_errors
 from vmalloc.sizes import chunk_size_problem, positive_size_argument
 
 __all__ = ["main"]
 
 EXIT_ERROR = 2
-
-
-class _CliError(Exception):
-    """A user error already phrased for the command line."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -299,11 +300,6 @@ def _device_choices(values, files):
     return {f: per.get(f, default) for f in files}
 
 
-def _flag_for(path, device):
-    ordinal = device.split(":")[1] if device.startswith("cuda:") else device
-    return f"--device {os.path.basename(path)}={ordinal}"
-
-
 def _plan(path, choice, args, quiet):
     """The (path, name, device) replays of one trace file for a --device choice."""
     from vmalloc.replay import _trace_name
@@ -409,70 +405,6 @@ def _convert_command(args):
     convert(args.src, args.dst, format=args.format, device=args.device)
     print(f"{args.src} -> {args.dst}", file=sys.stderr)
     return 0
-
-
-def _user_errors():
-    """The exception types that are the user's input, not a bug: one line, exit 2."""
-    errors = [VmallocError, OSError, _CliError]
-    try:
-        from vmalloc.offload.cli import OffloadCliError
-
-        errors.append(OffloadCliError)
-    except ImportError:
-        pass
-    try:
-        from vmalloc.traces import TraceFormatError
-
-        errors.append(TraceFormatError)
-    except ImportError:
-        pass
-    return tuple(errors)
-
-
-#: The library's words for its arguments -> the command line's flags (regex, replacement).
-_FLAG_WORDS = (
-    (r"pass format= one of", "pass --format, one of"),
-    (r"\b(format|device|before_window)=", lambda m: "--" + m.group(1).replace("_", "-")),
-    (r"^\w*Allocator: (chunk_size|max_split_size|remap_slack|policy)\b",
-     lambda m: "--" + m.group(1).replace("_", "-")),
-    (r"^HostDevice (granularity|capacity)\b", r"--\1"),
-    (r"^(scale|seed|capacity|granularity) must\b", r"--\1 must"),
-    (r"\(None for unlimited\)", ""),
-)
-
-
-def _in_cli_terms(error, message):
-    """A library error rephrased with the command line's flags (a device choice gets the
-    --device that picks one)."""
-    from vmalloc.traces._fields import NoDeviceEventsError
-
-    import re
-
-    for words, flag in _FLAG_WORDS:
-        message = re.sub(words, flag, message)
-    message = message.replace("  ", " ").replace(" ,", ",")
-    if not isinstance(error, NoDeviceEventsError) or not error.path:
-        return message
-    gpus = [d for d in error.found if d.startswith("cuda")]
-    hint = _flag_for(error.path, (gpus or error.found or ["0"])[0])
-    if error.wanted == "auto" and len(gpus) > 1:
-        return (f"{error.path}: memory events for several GPU devices ({', '.join(gpus)}): "
-                f"choose one with {hint}, or --device all")
-    return f"{message} (choose with {hint})"
-
-
-_OFFLOAD_COMMANDS = ("simulate", "table", "train", "models", "gpus")
-
-
-def _prog(argv):
-    """The command's name for its messages, as argparse names it in usage errors:
-    ``vmalloc replay``, ``vmalloc offload simulate`` (one prefix per command)."""
-    words = ["vmalloc"]
-    if argv and argv[0] in ("replay", "stress", "bench", "convert", "offload"):
-        words.append(argv[0])
-        if argv[0] == "offload" and len(argv) > 1 and argv[1] in _OFFLOAD_COMMANDS:
-            words.append(argv[1])
-    return " ".join(words)
 
 
 def main(argv=None):
