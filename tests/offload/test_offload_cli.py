@@ -116,12 +116,18 @@ def _sequence_file(tmp_path, **changes):
      "sequence has no functions: nothing to simulate"),
     (["train", "--steps", "1"], "vmalloc offload train: error: --steps must be at least 2 "
      "(one recorded iteration, one scheduled), got 1"),
+    (["simulate", "--model", "{not_json}"], "vmalloc offload simulate: error: --model "
+     "{not_json}: not JSON: Expecting value: line 1 column 1 (char 0)"),
+    (["simulate", "--batch", "999999999999"], "vmalloc offload simulate: error: --batch "
+     "999999999999: variable input0 would have 602111999999397888 bytes at batch 999999999999"),
 ])
 def test_errors_in_cli_terms_with_one_prefix(capsys, tmp_path, argv, error):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     files = {"null_batch": _sequence_file(tmp_path / "a", batch=None),
-             "empty": _sequence_file(tmp_path / "b", functions=[], variables=[])}
+             "empty": _sequence_file(tmp_path / "b", functions=[], variables=[]),
+             "not_json": str(tmp_path / "x.json")}
+    (tmp_path / "x.json").write_text("no")
     argv = [a.format(**files) for a in argv]
     code, out, err = run(capsys, *argv)
     assert (code, out, err) == (2, "", error.format(**files) + "\n")

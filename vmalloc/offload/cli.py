@@ -18,6 +18,7 @@ import json
 import os
 import sys
 
+from vmalloc.errors import VmallocError
 from vmalloc.sizes import chunk_size_problem, format_size, positive_size_argument
 
 __all__ = ["add_parser", "run", "table", "PAPER_TABLE1", "TABLE_BATCHES"]
@@ -112,9 +113,16 @@ def _sequence(model, batch):
     from vmalloc.offload.sequence import FunctionSequence
 
     if model in MODELS:
-        return model_sequence(model, batch)
+        try:
+            return model_sequence(model, batch)
+        except VmallocError as error:
+            raise OffloadCliError(f"--batch {batch}: {error}") from None
     if os.path.exists(model):
-        seq = FunctionSequence.load(model)
+        try:
+            seq = FunctionSequence.load(model)
+        except VmallocError as error:   # the file's problem: say which flag named it
+            raise OffloadCliError(f"--model {error}" if str(error).startswith(model)
+                                  else f"--model {model}: {error}") from None
         if not seq.functions:
             raise OffloadCliError(f"--model {model}: the sequence has no functions: nothing "
                                   "to simulate")
@@ -123,7 +131,10 @@ def _sequence(model, batch):
                                   "(\"batch\": null), so images/s and --batch do not apply; "
                                   "save it with the batch it was recorded at")
         if batch is not None and batch != seq.batch:
-            seq = seq.at_batch(batch)
+            try:
+                seq = seq.at_batch(batch)
+            except VmallocError as error:
+                raise OffloadCliError(f"--batch {batch}: {error}") from None
         return seq
     raise OffloadCliError(f"--model {model}: not a shipped model ({', '.join(MODELS)}) and "
                           f"no such file")
