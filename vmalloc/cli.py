@@ -16,15 +16,16 @@ import sys
 
 from vmalloc import allocator_kinds
 from vmalloc.errors import VmallocError
-from vmalloc.sizes import size_argument
+from vmalloc._cli_errors import CliError as _CliError
+from vmalloc._cli_errors import flag_for as _flag_for
+from vmalloc._cli_errors import in_cli_terms as _in_cli_terms
+from vmalloc._cli_errors import prog as _prog
+from vmalloc._cli_errors import user_errors as _user_errors
+from vmalloc.sizes import chunk_size_problem, positive_size_argument
 
 __all__ = ["main"]
 
 EXIT_ERROR = 2
-
-
-class _CliError(Exception):
-    """A user error already phrased for the command line."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,14 +49,15 @@ def _add_run_options(p):
                    type=_allocator_names, metavar="{" + ",".join(allocator_kinds.NAMES) + "}",
                    help="allocator to replay through; repeat (or separate with commas) for "
                         f"several; default: all of {', '.join(allocator_kinds.NAMES)}")
-    p.add_argument("--capacity", type=size_argument, metavar="SIZE",
+    p.add_argument("--capacity", type=positive_size_argument, metavar="SIZE",
                    help="device capacity such as 16GiB; a run stops at its first "
                         "out-of-memory and reports the event (default: unlimited)")
-    p.add_argument("--granularity", type=size_argument, metavar="SIZE",
+    p.add_argument("--granularity", type=positive_size_argument, metavar="SIZE",
                    help="device allocation granularity (default 2MiB, as current GPUs)")
-    p.add_argument("--chunk-size", type=size_argument, metavar="SIZE",
-                   help="physical chunk size of the virtual allocator")
-    p.add_argument("--max-split-size", type=size_argument, metavar="SIZE",
+    p.add_argument("--chunk-size", type=positive_size_argument, metavar="SIZE",
+                   help="physical chunk size of the virtual allocators, a multiple of the "
+                        "granularity (default 2MiB)")
+    p.add_argument("--max-split-size", type=positive_size_argument, metavar="SIZE",
                    help="the caching allocator's max_split_size (as PyTorch's)")
     p.add_argument("--policy", choices=("pytorch", "nnabla", "cupy"),
                    help="the caching allocator's policy preset (default pytorch)")
@@ -67,7 +69,7 @@ def _add_run_options(p):
                    help="virtual-packed: fraction above the peak of touched chunk slots it may "
                         "hold so that a repeating step stops remapping (default 0)")
     p.add_argument("--json", action="store_true",
-                   help="print a JSON list of results instead of a table")
+                   help="print a JSON list of results instead of a table (sizes in bytes)")
     p.add_argument("--plot", metavar="FILE.png",
                    help="write a plot of requested and reserved bytes over each trace, in the "
                         "format its suffix names: .png, .svg or .pdf")
@@ -76,6 +78,10 @@ def _add_run_options(p):
     p.add_argument("--max-probes", type=int, default=None, metavar="N",
                    help="replays the minimum-capacity search may make per allocator "
                         "(default 32)")
+
+
+_FORMAT_HELP = ("the trace format: torch_snapshot, kineto, rmm_csv or vmtrace (default: detected "
+                "from the file)")
 
 
 def _parser():
@@ -99,7 +105,7 @@ def _parser():
     p.add_argument("traces", nargs="*", metavar="TRACE",
                    help="trace files, or directories of them (the ranks of one job: replayed "
                         "side by side)")
-    p.add_argument("--format", help="trace format (default: detected from the file)")
+    p.add_argument("--format", help=_FORMAT_HELP)
     p.add_argument("--device", action="append", metavar="[TRACE=]DEVICE",
                    help="the device whose events to replay, for traces of several: auto (the "
                         "default: the trace's only GPU device, or each of its GPU devices), "
@@ -132,13 +138,22 @@ def _parser():
 
     p = sub.add_parser("convert", help="convert a trace to another format",
                        description="Convert a trace file of any format vmalloc reads to "
-                                   ".vmtrace or to an RMM log (.csv), as DST's name says.")
-    p.add_argument("src", metavar="SRC")
-    p.add_argument("dst", metavar="DST")
-    p.add_argument("--format", help="format of SRC (default: detected)")
+                                   ".vmtrace or to an RMM log (.csv), as DST's name says, or "
+                                   "with --to torch-snapshot to a PyTorch memory snapshot "
+                                   "(the pickle torch.cuda.memory._dump_snapshot writes), "
+                                   "which PyTorch's memory viewer opens.")
+    p.add_argument("src", metavar="SRC", help="the trace to convert (any format vmalloc reads)")
+    p.add_argument("dst", metavar="DST",
+                   help="the file to write: .vmtrace, .csv (an RMM log) or, with --to "
+                        "torch-snapshot, a .pickle PyTorch's memory viewer opens")
+    p.add_argument("--format", help="format of SRC: " + _FORMAT_HELP)
     p.add_argument("--device", default="auto",
                    help="the device whose events to keep: auto (the default: the trace's only "
                         "GPU device), a CUDA ordinal, cuda:N or cpu")
+    p.add_argument("--to", choices=("auto", "torch-snapshot"), default="auto",
+                   help="the format to write: auto (the default: as DST's name says, "
+                        ".vmtrace or .csv) or torch-snapshot (a pickle for "
+                        "https://pytorch.org/memory_viz)")
 
     from vmalloc.offload.cli import add_parser as add_offload_parser
 
@@ -159,13 +174,20 @@ def _report(results, args):
     for r in results:
         if r.trace not in warned and r.unmatched_frees:
             warned.add(r.trace)
-            print(f"vmalloc: warning: {r.trace}: {before_window_note(r)}", file=sys.stderr)
+            print(f"vmalloc {args.command}: warning: {r.trace}: {before_window_note(r)}",
+                  file=sys.stderr)
 
     if args.json:
         json.dump([r.to_dict() for r in results], sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
+        from vmalloc.verdict import verdicts
+
         print(format_table(results))
+        lines = verdicts(results)
+        print()
+        for trace, line in lines:
+            print(f"{trace}: {line}" if len(lines) > 1 else line)
     if args.plot:
         from vmalloc.plot import plot_results
 
@@ -187,7 +209,12 @@ def _reading_bar(args):
 
 
 def _check_outputs(args):
-    """Refuses, before any replay, an output whose name asks for a format not written."""
+    """Refuses, before any replay, an output whose name asks for a format not written, and
+    a chunk size the virtual allocator would refuse (the one rule of every command)."""
+    if getattr(args, "chunk_size", None) is not None and args.command in ("replay", "stress"):
+        problem = chunk_size_problem(args.chunk_size, args.granularity)
+        if problem:
+            raise _CliError(f"--chunk-size {problem}")
     if getattr(args, "plot", None):
         from vmalloc.plot import plot_format
 
@@ -271,11 +298,6 @@ def _device_choices(values, files):
         for f in matched:
             per[f] = spec
     return {f: per.get(f, default) for f in files}
-
-
-def _flag_for(path, device):
-    ordinal = device.split(":")[1] if device.startswith("cuda:") else device
-    return f"--device {os.path.basename(path)}={ordinal}"
 
 
 def _plan(path, choice, args, quiet):
@@ -370,41 +392,19 @@ def _convert_command(args):
     except ImportError:
         raise _CliError("trace conversion (vmalloc.traces.convert) is not part of this "
                         "installation") from None
+    if args.to == "torch-snapshot":
+        from vmalloc.traces.torch_export import snapshot_from_trace, write_snapshot
+
+        snapshot = snapshot_from_trace(args.src, format=args.format, device=args.device)
+        write_snapshot(snapshot, args.dst)
+        events = len(snapshot["device_traces"][-1])
+        print(f"{args.src} -> {args.dst} (a PyTorch memory snapshot: {events:,} actions, "
+              f"{len(snapshot['segments']):,} live blocks; open it at "
+              "https://pytorch.org/memory_viz)", file=sys.stderr)
+        return 0
     convert(args.src, args.dst, format=args.format, device=args.device)
     print(f"{args.src} -> {args.dst}", file=sys.stderr)
     return 0
-
-
-def _user_errors():
-    """The exception types that are the user's input, not a bug: one line, exit 2."""
-    errors = [VmallocError, OSError, _CliError]
-    try:
-        from vmalloc.offload.cli import OffloadCliError
-
-        errors.append(OffloadCliError)
-    except ImportError:
-        pass
-    try:
-        from vmalloc.traces import TraceFormatError
-
-        errors.append(TraceFormatError)
-    except ImportError:
-        pass
-    return tuple(errors)
-
-
-def _in_cli_terms(error, message):
-    """A library error about a device choice, rephrased with the command line's flags."""
-    from vmalloc.traces._fields import NoDeviceEventsError
-
-    if not isinstance(error, NoDeviceEventsError) or not error.path:
-        return message
-    gpus = [d for d in error.found if d.startswith("cuda")]
-    hint = _flag_for(error.path, (gpus or error.found or ["0"])[0])
-    if error.wanted == "auto" and len(gpus) > 1:
-        return (f"{error.path}: memory events for several GPU devices ({', '.join(gpus)}): "
-                f"choose one with {hint}, or --device all")
-    return f"{message} (choose with {hint})"
 
 
 def main(argv=None):
@@ -412,13 +412,14 @@ def main(argv=None):
     status: 0 on success, 2 on a usage or input error (one line on stderr)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv else None
+    prog = _prog(argv)
     try:
         if command == "bench":
             # Everything after "bench" is the benchmark's own command line.
             return _bench_command(argv[1:])
         args = _parser().parse_args(argv)
         _check_outputs(args)
-        if args.command == "convert":
+        if args.command == "convert" and args.to == "auto":
             from vmalloc.traces.convert import destination_format
 
             destination_format(args.dst)  # before reading the source
@@ -434,7 +435,7 @@ def main(argv=None):
     except SystemExit as exit:  # argparse: --help (0) or a usage error (2)
         return exit.code if isinstance(exit.code, int) else EXIT_ERROR
     except KeyboardInterrupt:
-        print("vmalloc: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # The reader went away (`vmalloc replay | head`): not worth a message. Point stdout
@@ -446,12 +447,12 @@ def main(argv=None):
             message = str(error)
         else:
             message = "this machine ran out of memory (MemoryError); the input is too large"
-        print(f"vmalloc {command or ''}: error: {message}".replace("  ", " "), file=sys.stderr)
+        print(f"{prog}: error: {message}", file=sys.stderr)
         return EXIT_ERROR
     except _user_errors() as error:
         message = str(error) or type(error).__name__
         message = _in_cli_terms(error, message)
         if isinstance(error, OSError) and error.filename and error.strerror:
             message = f"{error.strerror}: {error.filename}"
-        print(f"vmalloc {command or ''}: error: {message}".replace("  ", " "), file=sys.stderr)
+        print(f"{prog}: error: {message}", file=sys.stderr)
         return EXIT_ERROR

@@ -86,6 +86,47 @@ def size_argument(text):
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def positive_size_argument(text):
+    """A positive :func:`parse_size` as an argparse ``type=`` (0 would mean "not set")."""
+    import argparse
+
+    n = size_argument(text)
+    if n == 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive size such as '2MiB'")
+    return n
+
+
+#: The granularity of the emulated devices of the command line (as current GPUs).
+DEFAULT_GRANULARITY = 2 << 20
+
+
+def chunk_size_problem(chunk_size, granularity=None):
+    """Why ``chunk_size`` bytes cannot be a virtual allocator's chunk on a device of
+    ``granularity`` bytes (default 2 MiB), or None when it can.
+
+    The rule the allocator enforces (``resolve_chunk_size`` in C++): a positive multiple of
+    the device granularity. The command line checks it here, once, before any work, so that
+    every command refuses the same sizes with the same words.
+    """
+    g = DEFAULT_GRANULARITY if granularity is None else granularity
+    if chunk_size is None:
+        return None
+    if chunk_size <= 0 or g <= 0 or chunk_size % g:
+        low, high = chunk_size // g * g if g > 0 else 0, -(-chunk_size // g) * g if g > 0 else 0
+        near = " or ".join(_compact(n) for n in dict.fromkeys((low, high)) if n > 0)
+        return (f"{format_size(chunk_size)} is not a multiple of the device granularity "
+                f"({format_size(g)})" + (f": use {near}" if near else ""))
+    return None
+
+
+def _compact(nbytes):
+    """``4194304`` -> ``"4MiB"``: a size as the command line accepts it back."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return str(nbytes)
+
+
 def size_list_argument(text):
     """A comma-separated list of positive sizes (``"4KiB,3MiB"``) as an argparse ``type=``."""
     import argparse

@@ -44,3 +44,40 @@ class Stats:
     @classmethod
     def field_names(cls):
         return [f.name for f in fields(cls)]
+
+
+def format_memory_summary(stats, device=0):
+    """``stats`` (a :class:`Stats`) as a table in the manner of ``torch.cuda.memory_summary()``:
+    current, peak and total figures per row, sizes human-readable."""
+    from vmalloc.sizes import format_size
+
+    s = stats
+    rows = [
+        ("Requested memory", format_size(s.requested_bytes),
+         format_size(s.peak_requested_bytes), "-"),
+        ("Allocated memory", format_size(s.allocated_bytes),
+         format_size(s.peak_allocated_bytes), "-"),
+        ("Reserved memory", format_size(s.reserved_bytes),
+         format_size(s.peak_reserved_bytes), "-"),
+        ("Internal fragmentation", format_size(s.internal_fragmentation_bytes),
+         format_size(s.peak_internal_fragmentation_bytes), "-"),
+        ("Cached (reserved, free)", format_size(s.cached_bytes), "-", "-"),
+        None,
+        ("Allocations", f"{s.live_allocations:,}", f"{s.peak_live_allocations:,}",
+         f"{s.total_allocations:,}"),
+        ("Frees", "-", "-", f"{s.total_deallocations:,}"),
+        ("Out-of-memory errors", "-", "-", f"{s.out_of_memory_count:,}"),
+    ]
+
+    def row(*cells):
+        return f"| {cells[0]:<24} | {cells[1]:>12} | {cells[2]:>12} | {cells[3]:>12} |"
+
+    width = len(row("", "", "", ""))
+    rule, double = "|" + "-" * (width - 2) + "|", "|" + "=" * (width - 2) + "|"
+    title = f"vmalloc memory summary, device {device}"
+    util = f"utilization (peak requested / peak reserved): {s.utilization:.3f}"
+    out = [double, "|" + title.center(width - 2) + "|", "|" + util.center(width - 2) + "|",
+           double, row("Metric", "Current", "Peak", "Total"), rule]
+    out += [rule if r is None else row(*r) for r in rows]
+    out.append(double)
+    return "\n".join(out)

@@ -29,7 +29,9 @@ __all__ = [
     "OutOfCore",
     "check_out_of_memory",
     "is_installed",
+    "memory_snapshot",
     "memory_stats",
+    "memory_summary",
     "out_of_core",
     "pluggable_allocator",
     "reset_peak_memory_stats",
@@ -179,6 +181,26 @@ def memory_stats(device=None):
     allocator.
     """
     return _allocator_of(device)[1].stats()
+
+
+def memory_summary(device=None):
+    """A readable table of ``device``'s current vmalloc allocator's statistics, in the manner
+    of ``torch.cuda.memory_summary()`` (which raises under a pluggable allocator)."""
+    from vmalloc.stats import format_memory_summary
+
+    index, allocator = _allocator_of(device)
+    return format_memory_summary(allocator.stats(), index)
+
+
+def memory_snapshot(device=None):
+    """The allocation history of ``device``'s current allocator, a
+    :class:`vmalloc.LoggingAllocator`, as the dict ``torch.cuda.memory._snapshot()`` returns;
+    write it with ``pickle`` (or :func:`vmalloc.traces.torch_export.write_snapshot`) to open it
+    in PyTorch's memory viewer. See :mod:`vmalloc.traces.torch_export`."""
+    from vmalloc.traces.torch_export import allocator_snapshot
+
+    index, allocator = _allocator_of(device)
+    return allocator_snapshot(allocator, index)
 
 
 def reset_peak_memory_stats(device=None):

@@ -70,7 +70,7 @@ def test_replay_options_and_the_table(capsys, small_trace):
     assert lines[0] == "small (capacity 12.00 MiB)"
     assert lines[1].split() == ["virtual"]
     assert "event 3 (12.00 MiB)" in out  # 12 MiB + the 3 MiB still cached do not fit
-    assert "caching" not in out
+    assert "caching" not in out.split("\n\nverdict")[0]  # the table: virtual only
 
 
 def test_replay_allocators_by_comma_and_repeat(capsys, small_trace):
@@ -109,7 +109,7 @@ def test_stress_reports_the_patterns(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["replay", "--capacity", "12XB"], "capacity"),
     (["replay", "/nonexistent/trace.pickle"], "/nonexistent/trace.pickle"),
-    (["replay", "{trace}", "--capacity", "0"], "capacity must be positive"),
+    (["replay", "{trace}", "--capacity", "0"], "argument --capacity: '0': must be a positive size"),
     (["replay", "{trace}", "--format", "nope"], "unknown trace format 'nope'"),
     (["replay", "{garbage}"], "trace format"),
     (["replay", "{trace}", "--max-probes", "0"], "--max-probes"),
@@ -126,7 +126,8 @@ def test_errors_are_one_line_and_exit_2(capsys, tmp_path, small_trace, argv, mes
     assert message in err
     assert "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
-    assert err.startswith("vmalloc")
+    assert err.startswith(f"vmalloc {argv[0]}: error: " if argv[0] != "frobnicate"
+                          else "vmalloc: error: ")
 
 
 def test_bench_dispatches_or_says_it_is_absent(capsys):
@@ -208,4 +209,132 @@ def test_replay_remap_slack_reaches_packed_placement_only(capsys, small_trace):
     code, out, err = run(capsys, "replay", str(small_trace), "-a", "virtual-packed",
                          "--remap-slack", "2")
     assert code == 2 and out == ""
-    assert "remap_slack must be in [0, 1], got 2" in err
+    assert "--remap-slack must be in [0, 1], got 2" in err
+
+
+# --- the command line in its own terms (issue 17, item 2) -------------------------------------
+
+def _options_without_help(parser, path=("vmalloc",)):
+    """(command, option) for every argument of every (sub)command that has no help text."""
+    import argparse
+
+    missing = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                missing += _options_without_help(sub, path + (name,))
+        elif not isinstance(action, (argparse._HelpAction,)) and not action.help:
+            missing.append((" ".join(path), "/".join(action.option_strings) or action.dest))
+    return missing
+
+
+def test_every_option_of_every_command_has_help():
+    from vmalloc.cli import _parser
+
+    assert _options_without_help(_parser()) == []
+
+
+@pytest.mark.parametrize("argv, error", [
+    # library words become flags: no "format=", no "(None for unlimited)", no class names
+    (["replay", "{garbage}"], "vmalloc replay: error: {garbage}: cannot tell the trace format "
+     "from the content or the name; pass --format, one of torch_snapshot, kineto, rmm_csv, "
+     "vmtrace"),
+    (["replay", "{trace}", "--chunk-size", "3MiB"], "vmalloc replay: error: --chunk-size "
+     "3.00 MiB is not a multiple of the device granularity (2.00 MiB): use 2MiB or 4MiB"),
+    (["stress", "swap", "--chunk-size", "3MiB"], "vmalloc stress: error: --chunk-size "
+     "3.00 MiB is not a multiple of the device granularity (2.00 MiB): use 2MiB or 4MiB"),
+    (["replay", "{trace}", "--granularity", "1MiB", "--chunk-size", "2.5MiB"],
+     "vmalloc replay: error: --chunk-size 2.50 MiB is not a multiple of the device "
+     "granularity (1.00 MiB): use 2MiB or 3MiB"),
+    (["stress", "swap", "-a", "virtual-packed", "--remap-slack", "2"],
+     "vmalloc stress: error: --remap-slack must be in [0, 1], got 2.000000"),
+    (["stress", "swap", "-a", "caching", "--max-split-size", "1MiB"],
+     "vmalloc stress: error: --max-split-size 1.00 MiB (1048576 B) is below 20 MiB (kLargeBuffer), "
+     "PyTorch's minimum"),
+    (["stress", "swap", "--scale", "0"], "vmalloc stress: error: --scale must be a positive "
+     "int, got 0"),
+])
+def test_errors_name_the_flags(capsys, tmp_path, small_trace, argv, error):
+    garbage = tmp_path / "garbage.bin"
+    garbage.write_bytes(b"\x00\x01 this is no trace")
+    argv = [a.format(trace=small_trace, garbage=garbage) for a in argv]
+    code, out, err = run(capsys, *argv)
+    assert (code, out, err) == (2, "", error.format(garbage=garbage) + "\n")
+
+
+def test_a_chunk_size_the_allocator_takes_is_taken_by_every_command(capsys, small_trace):
+    code, out, err = run(capsys, "replay", str(small_trace), "-a", "virtual", "--chunk-size",
+                         "4MiB", "--json", "--no-min-capacity")
+    assert code == 0, err
+    assert json.loads(out)[0]["options"]["chunk_size"] == 4 * MiB
+    code, out, err = run(capsys, "offload", "simulate", "--batch", "32", "--chunk-size",
+                         "4MiB", "--json")
+    assert code == 0, err
+    assert json.loads(out)["chunk_size"] == 4 * MiB
+
+
+def _result(allocator, reserved, min_capacity, completed=True, oom=None):
+    from vmalloc.replay import ReplayResult
+
+    return ReplayResult(
+        trace="t", allocator=allocator, events=10, trace_events=10, completed=completed,
+        capacity_bytes=None, granularity_bytes=2 * MiB, peak_requested_bytes=100 * MiB,
+        peak_reserved_bytes=reserved, peak_allocated_bytes=100 * MiB,
+        utilization=100 * MiB / reserved, peak_internal_fragmentation_bytes=0,
+        peak_live_allocations=1, allocations=5, frees=5, unknown_frees=0,
+        reused_addresses=0, streams=1, out_of_memory_event=oom,
+        out_of_memory_request_bytes=None, driver_calls=0, memory_management_calls=0,
+        modeled_driver_seconds=0.0, driver_call_counts={}, replay_seconds=0.0,
+        engine_seconds=0.0, events_per_second=0.0, min_capacity_bytes=min_capacity,
+        min_capacity_exact=None if min_capacity is None else True)
+
+
+def test_verdict_says_yes_a_little_or_no_with_the_savings_and_the_smallest_device():
+    from vmalloc.verdict import verdict
+
+    yes = verdict([_result("caching", 200 * MiB, 180 * MiB),
+                   _result("virtual", 110 * MiB, 104 * MiB),
+                   _result("virtual-packed", 102 * MiB, 102 * MiB)])
+    assert yes == (
+        "verdict: yes, virtual addressing fixes this trace's fragmentation: virtual-packed "
+        "needs 78.00 MiB less than caching (102.00 MiB against 180.00 MiB min capacity, 43 %) "
+        "and reserves 98.00 MiB less at peak; the smallest device that runs it: 102.00 MiB "
+        "(virtual-packed; caching: 180.00 MiB)")
+    little = verdict([_result("caching", 110 * MiB, 104 * MiB),
+                      _result("virtual", 112 * MiB, 102 * MiB)])
+    assert little.startswith("verdict: a little: virtual needs 2.00 MiB less than caching "
+                             "(102.00 MiB against 104.00 MiB min capacity, 2 %), though it "
+                             "reserves 2.00 MiB more at peak")
+    assert little.endswith("the smallest device that runs it: 102.00 MiB (virtual; caching: "
+                           "104.00 MiB)")
+    no = verdict([_result("caching", 100 * MiB, 100 * MiB),
+                  _result("virtual", 104 * MiB, 104 * MiB)])
+    assert no.startswith("verdict: no, caching already runs this trace in as little memory")
+    oom = verdict([_result("caching", 90 * MiB, None, completed=False, oom=7),
+                   _result("virtual", 100 * MiB, 100 * MiB)])
+    assert oom.startswith("verdict: yes, virtual addressing fixes this trace: caching runs "
+                          "out of memory at event 7 where virtual runs it whole")
+
+
+def test_replay_ends_with_a_verdict_line_matching_its_table(capsys, small_trace):
+    code, out, err = run(capsys, "replay", str(small_trace), "--json")
+    results = {r["allocator"]: r for r in json.loads(out)}
+    code, out, err = run(capsys, "replay", str(small_trace))
+    assert code == 0, err
+    last = out.rstrip("\n").splitlines()[-1]
+    assert last.startswith("verdict: ")
+    best = min((r for k, r in results.items() if k.startswith("virtual")),
+               key=lambda r: r["min_capacity_bytes"])
+    assert (f"the smallest device that runs it: "
+            f"{vmalloc.format_size(best['min_capacity_bytes'])} ({best['allocator']}; "
+            f"caching: {vmalloc.format_size(results['caching']['min_capacity_bytes'])})") in last
+    # JSON keeps its list of results (bytes), no verdict text
+    code, out, err = run(capsys, "replay", str(small_trace), "--json")
+    assert "verdict" not in out
+
+
+def test_several_traces_get_one_verdict_each(capsys):
+    code, out, err = run(capsys, "stress", "swap", "growing", "-a", "caching,virtual")
+    assert code == 0, err
+    tail = out.rstrip("\n").splitlines()[-2:]
+    assert tail[0].startswith("swap: verdict: ") and tail[1].startswith("growing: verdict: ")

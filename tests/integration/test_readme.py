@@ -35,3 +35,23 @@ def test_readme_test_command_is_what_ci_runs():
 def test_readme_main_job_is_out_of_core_training():
     commands = [b.strip() for b in _blocks("sh")]
     assert "pip install . && vmalloc offload train" in commands
+
+
+def test_readme_lists_the_build_prerequisites_the_build_requires_before_trying_it():
+    text = README.read_text()
+    early = text[:text.index("## Try it")]
+    root = README.parent
+    cmake = re.search(r"cmake_minimum_required\(VERSION ([0-9.]+)\)",
+                      (root / "CMakeLists.txt").read_text()).group(1)
+    std = re.search(r"CMAKE_CXX_STANDARD (\d+)", (root / "CMakeLists.txt").read_text()).group(1)
+    python = re.search(r'requires-python = ">=([0-9.]+)"', (root / "pyproject.toml").read_text())
+    assert f"C++{std} compiler" in early
+    assert f"CMake ≥ {cmake}" in early
+    assert f"Python ≥ {python.group(1)}" in early
+    # how to import from the source tree, before the first command a user runs
+    assert "scripts/dev-build" in early and "PYTHONPATH=" in early
+
+
+def test_readme_says_replay_ends_with_a_verdict():
+    text = README.read_text()
+    assert "ends with a verdict" in text and "smallest device that runs the job" in text

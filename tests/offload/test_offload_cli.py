@@ -68,7 +68,7 @@ def test_lists(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["simulate", "--gpu", "tpu"], "unknown GPU"),
-    (["simulate", "--model", "nope"], "unknown model"),
+    (["simulate", "--model", "nope"], "--model nope: not a shipped model"),
     (["simulate", "--scheduler", "lms", "--budget", "1GiB"], "--scheduler window"),
     (["simulate", "--batch", "0"], "--batch"),
     (["simulate", "--budget", "lots"], "error"),
@@ -80,3 +80,64 @@ def test_errors_one_line_exit_2(capsys, argv, message):
     code, out, err = run(capsys, *argv)
     assert code == 2
     assert message in err and err.count("\n") == 1 and not out
+
+
+# --- the command line in its own terms (issue 17, item 2) -------------------------------------
+
+def _sequence_file(tmp_path, **changes):
+    obj = {"format": "vmalloc-function-sequence", "version": 1, "name": "tiny", "batch": 4,
+           "variables": [[1 << 20, 0, 0, "x"], [1 << 20, 0, 0, "y"]],
+           "functions": [["f", [0], [1], 1e9, 1e9, None]]}
+    obj.update(changes)
+    path = tmp_path / "seq.json"
+    path.write_text(json.dumps(obj))
+    return str(path)
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["simulate", "--budget", "40GiB"], "vmalloc offload simulate: error: --budget 40.00 GiB "
+     "is above the memory of the v100-16gb (16.00 GiB)"),
+    (["simulate", "--gpu", "a100-40gb", "--window", "41GiB"], "vmalloc offload simulate: "
+     "error: --window 41.00 GiB is above the memory of the a100-40gb (40.00 GiB)"),
+    (["simulate", "--chunk-size", "3MiB"], "vmalloc offload simulate: error: --chunk-size "
+     "3.00 MiB is not a multiple of the device granularity (2.00 MiB): use 2MiB or 4MiB"),
+    (["simulate", "--chunk-size", "40MB"], "vmalloc offload simulate: error: --chunk-size "
+     "38.15 MiB is not a multiple of the device granularity (2.00 MiB): use 38MiB or 40MiB"),
+    (["simulate", "--budget", "0"], "vmalloc offload simulate: error: argument --budget: "
+     "'0': must be a positive size such as '2MiB' (see vmalloc offload simulate --help)"),
+    (["simulate", "--gpu", "tpu"], "vmalloc offload simulate: error: --gpu tpu: unknown GPU; "
+     "choose from v100-16gb, v100-16gb-3brick, a100-40gb, a100-80gb, h100-80gb"),
+    (["simulate", "--model", "{null_batch}"], "vmalloc offload simulate: error: --model "
+     "{null_batch}: the sequence records no batch size (\"batch\": null), so images/s and "
+     "--batch do not apply; save it with the batch it was recorded at"),
+    (["simulate", "--model", "{empty}"], "vmalloc offload simulate: error: --model {empty}: "
+     "the sequence has no functions: nothing to simulate"),
+    (["table", "--model", "{empty}"], "vmalloc offload table: error: --model {empty}: the "
+     "sequence has no functions: nothing to simulate"),
+    (["train", "--steps", "1"], "vmalloc offload train: error: --steps must be at least 2 "
+     "(one recorded iteration, one scheduled), got 1"),
+    (["simulate", "--model", "{not_json}"], "vmalloc offload simulate: error: --model "
+     "{not_json}: not JSON: Expecting value: line 1 column 1 (char 0)"),
+    (["simulate", "--batch", "999999999999"], "vmalloc offload simulate: error: --batch "
+     "999999999999: variable input0 would have 602111999999397888 bytes at batch 999999999999"),
+])
+def test_errors_in_cli_terms_with_one_prefix(capsys, tmp_path, argv, error):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    files = {"null_batch": _sequence_file(tmp_path / "a", batch=None),
+             "empty": _sequence_file(tmp_path / "b", functions=[], variables=[]),
+             "not_json": str(tmp_path / "x.json")}
+    (tmp_path / "x.json").write_text("no")
+    argv = [a.format(**files) for a in argv]
+    code, out, err = run(capsys, *argv)
+    assert (code, out, err) == (2, "", error.format(**files) + "\n")
+
+
+def test_sizes_are_human_readable_in_text_and_bytes_in_json(capsys):
+    argv = ["simulate", "--batch", "64", "--budget", "8GiB", "--window", "256MiB"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    assert "parameters: window=256.00 MiB, budget=8.00 GiB\n" in out
+    code, out, err = run(capsys, *argv, "--json")
+    assert json.loads(out)["planned"]["params"] == {"window": 256 << 20, "budget": 8 << 30}
+    assert "16.00 GiB" in run(capsys, "gpus")[1].splitlines()[0]

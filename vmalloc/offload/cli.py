@@ -18,7 +18,8 @@ import json
 import os
 import sys
 
-from vmalloc.sizes import size_argument
+from vmalloc.errors import VmallocError
+from vmalloc.sizes import chunk_size_problem, format_size, positive_size_argument
 
 __all__ = ["add_parser", "run", "table", "PAPER_TABLE1", "TABLE_BATCHES"]
 
@@ -31,6 +32,14 @@ TABLE_BATCHES = tuple(PAPER_TABLE1)
 
 class OffloadCliError(Exception):
     """A user error phrased for the command line."""
+
+
+_MODEL_HELP = ("a shipped model (vmalloc offload models lists them) or a function-sequence "
+               "file (default resnet50)")
+_GPU_HELP = "the GPU model (vmalloc offload gpus lists them; default v100-16gb)"
+
+#: Schedule parameters that are byte sizes (printed human-readable; JSON keeps bytes).
+_SIZE_PARAMS = ("window", "budget")
 
 
 def add_parser(sub):
@@ -50,37 +59,49 @@ def add_parser(sub):
 
     s = osub.add_parser("simulate", help="simulate one model, batch, scheduler and allocator")
     s.add_argument("--model", default="resnet50",
-                   help="a shipped model (vmalloc offload models) or a saved sequence file")
+                   help=_MODEL_HELP)
     s.add_argument("--batch", type=int, default=None, help="batch size (default: the model's)")
-    s.add_argument("--gpu", default="v100-16gb", help="vmalloc offload gpus lists them")
-    s.add_argument("--scheduler", choices=SCHEDULERS, default="window")
-    s.add_argument("--allocator", choices=ALLOCATORS, default="virtual")
-    s.add_argument("--budget", type=size_argument, metavar="SIZE",
-                   help="the window scheduler's budget (default: tuned by simulation)")
-    s.add_argument("--window", type=size_argument, metavar="SIZE",
+    s.add_argument("--gpu", default="v100-16gb", help=_GPU_HELP)
+    s.add_argument("--scheduler", choices=SCHEDULERS, default="window",
+                   help="the swap schedule: the paper's window scheduler, the LMS or vDNN "
+                        "baseline, or none (in core) (default window)")
+    s.add_argument("--allocator", choices=ALLOCATORS, default="virtual",
+                   help="the allocator every allocation goes through (default virtual)")
+    s.add_argument("--budget", type=positive_size_argument, metavar="SIZE",
+                   help="the window scheduler's budget, at most the GPU's memory (default: "
+                        "tuned by simulation)")
+    s.add_argument("--window", type=positive_size_argument, metavar="SIZE",
                    help="the window scheduler's window (default: tuned by simulation)")
-    s.add_argument("--chunk-size", type=size_argument, metavar="SIZE",
-                   help="the virtual allocator's chunk (default 2MiB; the paper used 40MB)")
-    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--chunk-size", type=positive_size_argument, metavar="SIZE",
+                   help="the virtual allocator's chunk, a multiple of the 2MiB granularity "
+                        "(default 2MiB; the paper used 40MB, about 38MiB)")
+    s.add_argument("--json", action="store_true",
+                   help="print one JSON object (sizes in bytes)")
     s.add_argument("--plot", metavar="FILE.png", help="write a timeline PNG")
 
     t = osub.add_parser("table", help="the paper's Table 1, simulated")
-    t.add_argument("--model", default="resnet50")
-    t.add_argument("--gpu", default="v100-16gb")
+    t.add_argument("--model", default="resnet50", help=_MODEL_HELP)
+    t.add_argument("--gpu", default="v100-16gb", help=_GPU_HELP)
     t.add_argument("--batches", default=None, metavar="B,B,...",
                    help="batch sizes (default for resnet50 the paper's: "
                         f"{','.join(map(str, TABLE_BATCHES))}; for other models 1/2, 2, 4, "
                         "8 and 10 times the in-core limit)")
-    t.add_argument("--json", action="store_true", help="print one JSON object")
+    t.add_argument("--json", action="store_true", help="print one JSON object (sizes in bytes)")
 
     r = osub.add_parser("train", help="train a NumPy network out of core on the emulated "
                                       "device, under half its in-core memory")
-    r.add_argument("--network", choices=("mlp", "cnn"), default="mlp")
-    r.add_argument("--steps", type=int, default=4)
-    r.add_argument("--allocator", choices=ALLOCATORS, default="virtual")
+    r.add_argument("--network", choices=("mlp", "cnn"), default="mlp",
+                   help="the NumPy network to train: a multilayer perceptron or a small "
+                        "convolutional network (default mlp)")
+    r.add_argument("--steps", type=int, default=4,
+                   help="training steps, at least 2: the first is recorded, the others run "
+                        "on the schedule (default 4)")
+    r.add_argument("--allocator", choices=ALLOCATORS, default="virtual",
+                   help="the allocator of the emulated device (default virtual)")
     r.add_argument("--fraction", type=float, default=0.5,
                    help="device capacity as a fraction of the in-core peak (default 0.5)")
-    r.add_argument("--json", action="store_true", help="print one JSON object")
+    r.add_argument("--json", action="store_true",
+                   help="print one JSON object (sizes in bytes)")
 
     osub.add_parser("models", help="list the shipped model sequences")
     osub.add_parser("gpus", help="list the GPU models")
@@ -92,13 +113,30 @@ def _sequence(model, batch):
     from vmalloc.offload.sequence import FunctionSequence
 
     if model in MODELS:
-        return model_sequence(model, batch)
+        try:
+            return model_sequence(model, batch)
+        except VmallocError as error:
+            raise OffloadCliError(f"--batch {batch}: {error}") from None
     if os.path.exists(model):
-        seq = FunctionSequence.load(model)
+        try:
+            seq = FunctionSequence.load(model)
+        except VmallocError as error:   # the file's problem: say which flag named it
+            raise OffloadCliError(f"--model {error}" if str(error).startswith(model)
+                                  else f"--model {model}: {error}") from None
+        if not seq.functions:
+            raise OffloadCliError(f"--model {model}: the sequence has no functions: nothing "
+                                  "to simulate")
+        if seq.batch is None:
+            raise OffloadCliError(f"--model {model}: the sequence records no batch size "
+                                  "(\"batch\": null), so images/s and --batch do not apply; "
+                                  "save it with the batch it was recorded at")
         if batch is not None and batch != seq.batch:
-            seq = seq.at_batch(batch)
+            try:
+                seq = seq.at_batch(batch)
+            except VmallocError as error:
+                raise OffloadCliError(f"--batch {batch}: {error}") from None
         return seq
-    raise OffloadCliError(f"unknown model {model!r}: not one of {', '.join(MODELS)} and "
+    raise OffloadCliError(f"--model {model}: not a shipped model ({', '.join(MODELS)}) and "
                           f"no such file")
 
 
@@ -106,7 +144,7 @@ def _gpu(name):
     from vmalloc.offload.gpus import GPUS
 
     if name.lower() not in GPUS:
-        raise OffloadCliError(f"unknown GPU {name!r}; choose from {', '.join(GPUS)}")
+        raise OffloadCliError(f"--gpu {name}: unknown GPU; choose from {', '.join(GPUS)}")
     return GPUS[name.lower()]
 
 
@@ -119,6 +157,11 @@ def _simulate(args):
     if args.scheduler != "window" and (args.budget is not None or args.window is not None):
         raise OffloadCliError("--budget and --window apply to --scheduler window only")
     gpu = _gpu(args.gpu)
+    for flag, value in (("--budget", args.budget), ("--window", args.window)):
+        if value is not None and value > gpu.memory_bytes:
+            raise OffloadCliError(f"{flag} {format_size(value)} is above the memory of the "
+                                  f"{gpu.name} ({format_size(gpu.memory_bytes)})")
+    check_chunk_size(args.chunk_size)
     seq = _sequence(args.model, args.batch)
     p = plan(seq, gpu, args.scheduler, args.allocator, budget=args.budget, window=args.window,
              chunk_size=args.chunk_size)
@@ -138,7 +181,8 @@ def _simulate(args):
     else:
         print(r.summary())
         if p.params:
-            print("parameters: " + ", ".join(f"{k}={v}" for k, v in p.params.items()))
+            print("parameters: " + ", ".join(f"{k}={_param(k, v)}"
+                                             for k, v in p.params.items()))
         if r.out_of_memory:
             print(f"out of memory: {r.oom_message}")
     if args.plot:
@@ -149,6 +193,21 @@ def _simulate(args):
         plot_timeline(r, args.plot)
         print(f"timeline written to {args.plot}", file=sys.stderr)
     return 0
+
+
+def _param(name, value):
+    """A schedule parameter for text output: sizes human-readable."""
+    if name in _SIZE_PARAMS and isinstance(value, int) and not isinstance(value, bool):
+        return format_size(value)
+    return value
+
+
+def check_chunk_size(chunk_size, granularity=None, flag="--chunk-size"):
+    """Refuses, before any work, a chunk size the virtual allocator would refuse: the one
+    rule (:func:`vmalloc.sizes.chunk_size_problem`) of every command."""
+    problem = chunk_size_problem(chunk_size, granularity)
+    if problem:
+        raise OffloadCliError(f"{flag} {problem}")
 
 
 def table(model="resnet50", gpu="v100-16gb", batches=None, progress=False):
@@ -224,8 +283,6 @@ def _table(args):
         json.dump(t, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
-    from vmalloc.sizes import format_size
-
     paper = any("paper_schedule_va" in r for r in t["rows"])
     print(f"{t['model']} on {t['gpu']}: images/s (OOM: out of memory); in-core limit batch "
           f"{t['in_core_limit']} at {t['in_core_limit_images_per_second'] or 0:.0f} images/s")
@@ -265,7 +322,7 @@ def _gpus(args):
     from vmalloc.offload.gpus import GPUS
 
     for g in GPUS.values():
-        print(f"{g.name:<10} {g.memory_bytes / 2**30:.0f} GiB, {g.peak_flops / 1e12:.0f} TFLOP/s "
+        print(f"{g.name:<10} {format_size(g.memory_bytes)}, {g.peak_flops / 1e12:.0f} TFLOP/s "
               f"x {g.compute_efficiency:.3f}, HBM {g.hbm_bandwidth / 1e9:.0f} GB/s, {g.link}: "
               f"H2D {g.h2d_bandwidth / 1e9:.1f} / D2H {g.d2h_bandwidth / 1e9:.1f} / both "
               f"{g.bidirectional_bandwidth / 1e9:.1f} GB/s, "
@@ -277,7 +334,6 @@ def _train(args):
     import json
 
     from vmalloc.offload.numpy_training import compare
-    from vmalloc.sizes import format_size
 
     if args.steps < 2:
         raise OffloadCliError(f"--steps must be at least 2 (one recorded iteration, one "
