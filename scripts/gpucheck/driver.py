@@ -37,12 +37,19 @@ def _nvidia_smi():
 
 
 def _cuda_runtime_version():
-    try:
-        import torch
+    """PyTorch's CUDA version, read from torch/version.py: importing torch takes seconds."""
+    import importlib.util
+    import re
 
-        return torch.version.cuda
-    except ImportError:
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
         return None
+    try:
+        with open(f"{spec.submodule_search_locations[0]}/version.py") as f:
+            m = re.search(r"^cuda\s*(?::[^=]*)?=\s*['\"]([^'\"]+)['\"]", f.read(), re.M)
+    except OSError:
+        return None
+    return m.group(1) if m else None
 
 
 def device(ctx):

@@ -47,10 +47,10 @@ def render(data, path):
             fill(int(start / end * WIDTH), int(stop / end * WIDTH), y0, y0 + BAND, color)
     y0 = GAP + len(LANES) * (BAND + GAP)
     peak = max([b for _, b in memory] + [1])
-    for t, used in memory:
-        x = int(t / end * WIDTH)
+    # A step function: each sample holds until the next one.
+    for (t, used), (t_next, _) in zip(memory, memory[1:] + [(end, 0)]):
         h = int(used / peak * BAND)
-        fill(x, x + 2, y0 + BAND - h, y0 + BAND, MEMORY)
+        fill(int(t / end * WIDTH), int(t_next / end * WIDTH), y0 + BAND - h, y0 + BAND, MEMORY)
     write_png(path, rows, WIDTH, height)
     return {"width": WIDTH, "height": height, "seconds": end}
 

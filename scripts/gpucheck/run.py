@@ -216,7 +216,7 @@ def main(argv=None):
     deadline = report.start + args.budget
     env = None
     for name in ORDER:
-        left = deadline - time.monotonic()
+        left = max(0.0, deadline - time.monotonic())
         section = report.section(name)
         if only is not None and name not in only:
             section.update(status="skipped", reason=f"not in --only {args.only}")
