@@ -80,8 +80,8 @@ def run(ctx):
     counts, failures = parse(out)
     result.update(counts, failures=failures, output_tail=out[-4000:])
     if counts["passed"] + counts["failed"] + counts["errors"] == 0:
-        ctx.save(result, reason=f"no test ran on the {kind} kind (does tests/conftest.py see "
-                                "the GPU? see output_tail)")
+        ctx.save(result, error=f"no test ran on the {kind} kind (does tests/conftest.py see "
+                               "the GPU? see output_tail)")
     if timed_out:
         ctx.save(result, reason=f"pytest ran past {limit:.0f} s: counts are of what finished")
     ctx.save(result)

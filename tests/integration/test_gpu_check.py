@@ -43,6 +43,8 @@ def dry_run(tmp_path_factory):
     return out, json.loads((out / "report.json").read_text()), proc.stdout
 
 
+# The dry run takes about a minute on a busy 2-core machine (the fixture's time counts here).
+@pytest.mark.timeout(600)
 def test_dry_run_report_is_complete(dry_run):
     out, report, stdout = dry_run
     assert (report["dry_run"], report["quick"], report["finished"] is not None) == (True, True,
@@ -66,6 +68,7 @@ def test_dry_run_report_is_complete(dry_run):
         == list(schema.SECTIONS)
 
 
+@pytest.mark.timeout(600)
 def test_dry_run_sections_measure(dry_run):
     out, report, _ = dry_run
     s = {k: v["result"] for k, v in report["sections"].items()}
