@@ -248,7 +248,11 @@ def format_report(report):
 
 def main(argv=None):
     """``vmalloc doctor [--json]``; returns the exit status."""
-    parser = argparse.ArgumentParser(
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):   # one line, as every error of the command line
+            self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    parser = Parser(
         prog="vmalloc doctor",
         description="Check whether this machine can run vmalloc: driver, virtual memory "
                     "management, one map round trip and its cost, pinned bandwidth, host "

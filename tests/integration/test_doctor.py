@@ -101,3 +101,10 @@ def test_no_gpu_reasons():
 def test_listed_in_the_help(capsys):
     assert cli.main(["--help"]) == 0
     assert "doctor" in capsys.readouterr().out
+
+
+def test_usage_error_is_one_line(capsys):
+    assert cli.main(["doctor", "--bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("vmalloc doctor: error: unrecognized arguments: --bogus "
+                   "(see vmalloc doctor --help)\n")
