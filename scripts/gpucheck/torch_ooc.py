@@ -118,11 +118,13 @@ def _step(setup, model, opt, x, y):
     return loss
 
 
-def _images_per_second(setup, model, opt, n, warmup, iters, ooc=None):
+def _images_per_second(setup, model, opt, n, warmup, iters, after_warmup=None):
     x, y = setup.batch(n)
     for _ in range(warmup):
         _step(setup, model, opt, x, y)
     setup.sync()
+    if after_warmup is not None:
+        after_warmup()
     start = time.perf_counter()
     for _ in range(iters):
         _step(setup, model, opt, x, y)
@@ -168,6 +170,8 @@ def in_core(setup, ctx, out):
     res["limit"] = limit
     warmup, iters = (1, 2) if setup.quick else (2, 5)
     for n in (limit, max(1, limit // 2)):
+        _release(setup)
+        setup.peak_reset()
         run = _images_per_second(setup, model, opt, n, warmup, iters)
         run["peak_reserved_bytes"] = setup.peak_reserved()
         res["runs"].append(run)
@@ -208,7 +212,11 @@ def out_of_core(setup, ctx, out, limit, reference_ips):
         try:
             setup.peak_reset()
             with vmalloc.torch.out_of_core(budget=setup.budget, backend=setup.backend) as ooc:
-                run = _images_per_second(setup, model, opt, n, warmup, iters)
+                # Swap figures per timed iteration: after the recording and warm-up ones.
+                before = {}
+                run = _images_per_second(setup, model, opt, n, warmup, iters,
+                                         lambda: before.update(_swap_figures(ooc.stats())))
+                after = _swap_figures(ooc.stats())
                 stats = ooc.stats()
                 if factor == factors[0]:
                     try:
@@ -216,14 +224,11 @@ def out_of_core(setup, ctx, out, limit, reference_ips):
                     except Exception as error:  # noqa: BLE001 - the speed figures still count
                         setup.notes.append(f"timeline profile failed: {error}"[:400])
             entry.update(run, status="ok")
-            swap = stats.get("swap", {})
             entry.update(
                 relative_speed=run["images_per_second"] / reference_ips if reference_ips
                 else None,
-                swapped_out_bytes=stats.get("swapped_out_bytes"),
-                swapped_in_bytes=stats.get("swapped_in_bytes"),
-                on_demand_swap_ins=stats.get("on_demand_swap_ins"),
-                stall_seconds=swap.get("wait_seconds"),
+                **{k: (after[k] - before[k]) / iters if after[k] is not None
+                   and before.get(k) is not None else None for k in after},
                 peak_device_bytes=stats.get("peak_device_bytes"),
                 peak_reserved_bytes=setup.peak_reserved(),
                 iterations=stats.get("iterations"))
@@ -232,6 +237,15 @@ def out_of_core(setup, ctx, out, limit, reference_ips):
         del model, opt
         ctx.save(out)
     return res
+
+
+def _swap_figures(stats):
+    """The runtime's cumulative swap figures (per iteration once differenced)."""
+    swap = stats.get("swap") or {}
+    return {"swapped_out_bytes": stats.get("swapped_out_bytes"),
+            "swapped_in_bytes": stats.get("swapped_in_bytes"),
+            "on_demand_swap_ins": stats.get("on_demand_swap_ins"),
+            "stall_seconds": swap.get("wait_seconds")}
 
 
 def _host_room(nbytes):
