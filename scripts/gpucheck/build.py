@@ -48,7 +48,11 @@ def run(args, limit, out):
                 payload["error"] = "--build none, but vmalloc is not importable"
             return payload
         method = "dev"
-    env = dict(os.environ, JOBS=str(os.cpu_count() or 2))
+    # This interpreter first on PATH: CMake's FindPython (and with it `python -m cython`)
+    # then builds for the Python that runs the checks.
+    env = dict(os.environ, JOBS=str(os.cpu_count() or 2),
+               PATH=os.pathsep.join([os.path.dirname(sys.executable),
+                                     os.environ.get("PATH", "")]))
     if method == "dev":
         cmd = ["scripts/dev-build", DEV_NAME]
         python_path = ROOT / "build" / DEV_NAME / "python"
