@@ -211,6 +211,8 @@ def main(argv=None):
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     limits = {name: LIMITS[name][1 if args.quick else 0] for name in ORDER}
+    for stale in ("timeline.json", "timeline.png"):   # of an earlier run into DIR
+        (out / stale).unlink(missing_ok=True)
     report = Report(out, args, limits)
     only = set(args.only.split(",")) if args.only else None
     deadline = report.start + args.budget

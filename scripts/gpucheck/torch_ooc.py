@@ -368,6 +368,11 @@ def correctness(setup, ctx, out):
 
 
 def run(ctx):
+    try:
+        import torch  # noqa: F401
+    except ImportError as error:
+        ctx.save(status="skipped", reason=f"PyTorch is not installed ({error})")
+        return
     setup = Setup(ctx)
     out = {"model": setup.model_name, "input": f"3x{setup.size}x{setup.size}",
            "backend": setup.backend, "budget_bytes": setup.budget, "in_core": None,
