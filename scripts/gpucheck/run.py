@@ -83,7 +83,7 @@ def _tail(text, n=3000):
 def run_child(name, args, env, limit, out):
     """Runs ``python -m gpucheck.section name`` with a time limit; returns (status, payload
     dict or None, error text)."""
-    result_file = Path(out) / f".{name}.json"
+    result_file = Path(out) / f"section-{name}.json"   # the child's own record
     result_file.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "gpucheck.section", name, "--report",
            str(Path(out) / "report.json"), "--result", str(result_file), "--out", str(out)]
