@@ -243,6 +243,47 @@ def main(argv=None):
     return 0
 
 
+def headline(name, r):
+    """The section's main figures in a few words, for the table (None if it has none)."""
+    if not r:
+        return None
+    try:
+        if name == "device":
+            return (f"{r['name']}, {r['memory_bytes'] / 2**30:.0f} GiB, driver "
+                    f"{r['driver_version_text']}, CC {r['compute_capability']}, VMM "
+                    f"{r['vmm_supported']}, granularity {r['granularity_minimum_bytes']}")
+        if name == "tests":
+            return (f"{r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped, "
+                    f"{r['errors']} errors on {','.join(r['device_kinds'])}")
+        if name == "driver_costs":
+            c = r["calls"]
+            return "2 MiB: " + ", ".join(
+                f"{k.replace('cuMem', '')} {c[k]['2097152']['median_us']:.1f}" for k in
+                ("cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap")) + " us"
+        if name == "bandwidth":
+            return (f"pinned H2D {r['pinned_h2d_gbps']:.1f}, D2H {r['pinned_d2h_gbps']:.1f}, "
+                    f"both {r['pinned_both_each_direction_gbps']:.1f}, pageable H2D "
+                    f"{r['pageable_h2d_gbps']:.1f} GB/s")
+        if name == "torch_out_of_core":
+            core = r["in_core"]["runs"][0]
+            parts = [f"in core b={core['batch']} {core['images_per_second']:.0f} img/s"]
+            for o in r["out_of_core"] or []:
+                speed = o.get("relative_speed")
+                parts.append(f"{o['factor']}x b={o['batch']} " + (
+                    f"{speed:.2f}" if speed is not None else str(o["status"])[:40]))
+            c = r["correctness"] or {}
+            parts.append(f"identical {c.get('identical')}")
+            return "; ".join(parts)
+        if name == "simulator_vs_measured":
+            return "predicted/measured " + ", ".join(
+                f"{'in' if x['kind'] == 'in_core' else 'ooc'} b={x['batch']} "
+                f"{x['ratio_predicted_to_measured']:.2f}"
+                for x in r["runs"] if x["ratio_predicted_to_measured"])
+    except (KeyError, TypeError, IndexError, ZeroDivisionError):
+        return None
+    return None
+
+
 def table(data):
     """The short table printed last: one line per section."""
     lines = [f"gpu-check: {data['elapsed_seconds']:.0f} s of a {data['budget_seconds']:.0f} s "
@@ -250,8 +291,8 @@ def table(data):
     for name in SECTIONS:
         s = data["sections"][name]
         secs = "-" if s["seconds"] is None else f"{s['seconds']:.0f}s"
-        note = s["error"] or s["reason"] or s["ran_on"] or ""
-        lines.append(f"  {name:22} {s['status']:8} {secs:>5}  {str(note)[:90]}")
+        note = s["error"] or headline(name, s["result"]) or s["reason"] or s["ran_on"] or ""
+        lines.append(f"  {name:22} {s['status']:8} {secs:>5}  {str(note)[:150]}")
     return lines
 
 
