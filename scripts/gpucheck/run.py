@@ -275,6 +275,8 @@ def headline(name, r):
             parts.append(f"identical {c.get('identical')}")
             return "; ".join(parts)
         if name == "simulator_vs_measured":
+            if not any(x["ratio_predicted_to_measured"] for x in r["runs"]):
+                return None
             return "predicted/measured " + ", ".join(
                 f"{'in' if x['kind'] == 'in_core' else 'ooc'} b={x['batch']} "
                 f"{x['ratio_predicted_to_measured']:.2f}"
@@ -284,6 +286,14 @@ def headline(name, r):
     return None
 
 
+def _one_line(error):
+    """An error on one line: its first line and, for a traceback, its last (the exception)."""
+    if not error:
+        return None
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if len(lines) == 1 else f"{lines[0][:40]} ... {lines[-1]}"
+
+
 def table(data):
     """The short table printed last: one line per section."""
     lines = [f"gpu-check: {data['elapsed_seconds']:.0f} s of a {data['budget_seconds']:.0f} s "
@@ -291,7 +301,8 @@ def table(data):
     for name in SECTIONS:
         s = data["sections"][name]
         secs = "-" if s["seconds"] is None else f"{s['seconds']:.0f}s"
-        note = s["error"] or headline(name, s["result"]) or s["reason"] or s["ran_on"] or ""
+        note = _one_line(s["error"]) or headline(name, s["result"]) or s["reason"] \
+            or s["ran_on"] or ""
         lines.append(f"  {name:22} {s['status']:8} {secs:>5}  {str(note)[:150]}")
     return lines
 

@@ -209,3 +209,22 @@ def test_cuda_kind_opens_the_driver_by_its_path(monkeypatch):
 def test_device_kinds_restricted_by_the_environment(monkeypatch):
     monkeypatch.setenv("VMALLOC_TEST_DEVICE_KINDS", "cuda-emulator")
     assert set(_conftest().DEVICE_KINDS) == {"cuda-emulator"}
+
+
+def test_table_line_per_section_with_figures_or_the_exception():
+    data = {"elapsed_seconds": 5.0, "budget_seconds": 480, "dry_run": False, "sections": {
+        name: run.empty_section(10) for name in schema.SECTIONS}}
+    data["sections"]["bandwidth"].update(status="ok", seconds=2.0, result={
+        "pinned_h2d_gbps": 55.31, "pinned_d2h_gbps": 55.1,
+        "pinned_both_each_direction_gbps": 52.8, "pageable_h2d_gbps": 27.0})
+    data["sections"]["torch_out_of_core"].update(
+        status="failed", seconds=3.0,
+        error="exit status 1; stderr: Traceback (most recent call last):\n  File x\n"
+              "RuntimeError: boom\n")
+    lines = run.table(data)
+    assert lines[0] == "gpu-check: 5 s of a 480 s budget"
+    assert len(lines) == 1 + len(schema.SECTIONS)
+    assert lines[1 + schema.SECTIONS.index("bandwidth")].endswith(
+        "pinned H2D 55.3, D2H 55.1, both 52.8, pageable H2D 27.0 GB/s")
+    assert lines[1 + schema.SECTIONS.index("torch_out_of_core")].endswith(
+        "exit status 1; stderr: Traceback (most r ... RuntimeError: boom")
