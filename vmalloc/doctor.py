@@ -231,9 +231,11 @@ def format_report(report):
                      f"{bw['pinned_h2d_gbps']:.1f} GB/s, device to host "
                      f"{bw['pinned_d2h_gbps']:.1f} GB/s")
     mem = report["host_memory"]
+    cgroup = _size(mem["cgroup_limit_bytes"]) if mem["cgroup_limit_bytes"] else "none"
+    memlock = ("unlimited" if mem["memlock_limit_bytes"] is None
+               else _size(mem["memlock_limit_bytes"]))
     lines.append(f"host memory for swapping: {_size(mem['swap_room_bytes'])} available "
-                 f"(cgroup limit {_size(mem['cgroup_limit_bytes']) if mem['cgroup_limit_bytes'] else 'none'}"
-                 f", locked-memory limit {_size(mem['memlock_limit_bytes']) if mem['memlock_limit_bytes'] is not None else 'unlimited'})")
+                 f"(cgroup limit {cgroup}, locked-memory limit {memlock})")
     for name, fw in report["frameworks"].items():
         state = "can use vmalloc now" if fw["usable"] else "cannot use vmalloc now"
         version = fw["version"] or "-"

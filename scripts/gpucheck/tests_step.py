@@ -15,8 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 #: device kinds, the first one alone under --quick.
 SUITES = ("tests/device/test_device_protocol.py", "tests/offload/test_swap_state_machine.py",
           "tests/alloc/test_allocator_protocol.py")
-EXAMPLES = ("examples/gpu/cuda_device_basics.py", "examples/gpu/torch_train_step.py",
-            "examples/gpu/cupy_example.py")
+#: Tests that run only where a GPU is (they skip elsewhere): PyTorch training on vmalloc with
+#: no driver call after warm-up (examples/gpu/torch_train_step.py), CuPy arrays on vmalloc.
+GPU_TESTS = ("tests/integration/test_torch_integration.py::test_cuda_torch_training_step_on_a_gpu",
+             "tests/integration/test_cupy_integration.py::test_cupy_arrays_on_a_gpu")
+EXAMPLES = ("examples/gpu/cuda_device_basics.py", "examples/gpu/cupy_example.py")
 
 _LAUNCH = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
            "import pytest; sys.exit(pytest.main(sys.argv[1:]))")
@@ -61,7 +64,7 @@ def _run(cmd, env, limit):
 
 def run(ctx):
     kind = "cuda-emulator" if ctx.dry_run else "cuda"
-    suites = SUITES[:1] if ctx.quick else SUITES
+    suites = (SUITES[:1] if ctx.quick else SUITES) + (() if ctx.dry_run else GPU_TESTS)
     env = dict(os.environ, VMALLOC_TEST_DEVICE_KINDS=kind, HYPOTHESIS_PROFILE="ci")
     # pytest from the repository root without the root on sys.path (python -m would put it
     # first, and ./vmalloc has no compiled modules).
