@@ -296,8 +296,10 @@ def _profile(setup, model, opt, n, ooc, out_dir):
             lanes["h2d"].append(span)
         elif "DtoH" in name:
             lanes["d2h"].append(span)
-        elif (kind == "CUDA") or (setup.dry and name.startswith("aten::")
-                                   and e.cpu_parent is None):
+        elif (kind == "CUDA") or (setup.dry and e.cpu_parent is None
+                                   and not name.startswith(("[", "ProfilerStep"))):
+            # --dry-run: the outermost CPU ops (forward, autograd's backward functions,
+            # the optimizer) stand for compute.
             lanes["compute"].append(span)
     data = {"source": ("torch.profiler CPU ops (--dry-run: no copy engines)" if setup.dry
                        else "torch.profiler CUDA kernels and memcpy (CUPTI)"),
