@@ -292,9 +292,10 @@ def _profile(setup, model, opt, n, ooc, out_dir):
         kind = str(getattr(e, "device_type", "")).rsplit(".", 1)[-1]
         span = [(e.time_range.start - t0) / 1e6, (e.time_range.end - t0) / 1e6]
         name = e.name
-        if "HtoD" in name or "Memcpy HtoD" in name:
+        # Device-side copies only: the host's cuMemcpyHtoDAsync_v2 API calls say HtoD too.
+        if kind == "CUDA" and "HtoD" in name:
             lanes["h2d"].append(span)
-        elif "DtoH" in name:
+        elif kind == "CUDA" and "DtoH" in name:
             lanes["d2h"].append(span)
         elif (kind == "CUDA") or (setup.dry and e.cpu_parent is None
                                    and not name.startswith(("[", "ProfilerStep"))):
