@@ -135,6 +135,8 @@ def _parser():
     _add_run_options(p)
 
     sub.add_parser("bench", add_help=False, help="run the benchmarks (vmalloc bench --help)")
+    sub.add_parser("doctor", add_help=False,
+                   help="check this machine: driver, VMM, map cost, bandwidth (--json)")
 
     p = sub.add_parser("convert", help="convert a trace to another format",
                        description="Convert a trace file of any format vmalloc reads to "
@@ -417,6 +419,10 @@ def main(argv=None):
         if command == "bench":
             # Everything after "bench" is the benchmark's own command line.
             return _bench_command(argv[1:])
+        if command == "doctor":
+            from vmalloc.doctor import main as doctor_main
+
+            return doctor_main(argv[1:])
         args = _parser().parse_args(argv)
         _check_outputs(args)
         if args.command == "convert" and args.to == "auto":
