@@ -1,6 +1,6 @@
 """The default virtual allocator kind against the other placements: utilization on every real
 trace the project has and the stress patterns, and memory-management driver calls per
-repetition of each once warm (docs/benchmarks.md, "The default virtual allocator").
+repetition of each once warm (docs/benchmarks.md, "The default virtual allocator kind").
 
     PYTHONPATH=build/<name>/python python -P benchmarks/default_virtual.py [SNAPSHOT]
 
@@ -50,7 +50,6 @@ def closed(events):
         elif op == FREE:
             live.pop(addr, None)
     tail = np.zeros(len(live), dtype=EVENT_DTYPE)
-    tail["op"] = FREE
     for i, (addr, (stream, size)) in enumerate(live.items()):
         tail[i] = (FREE, stream, addr, size)
     return np.concatenate([events, tail])
