@@ -110,6 +110,17 @@ def _gpu(name):
     return GPUS[name.lower()]
 
 
+def _reference(model, gpu):
+    """(in-core limit batch, its images/s) of ``model`` on ``gpu``, or None when nothing runs
+    in core."""
+    from vmalloc.offload.models import MODELS
+    from vmalloc.offload.planner import in_core_reference
+
+    key = model if model in MODELS else (lambda b: _sequence(model, b))
+    limit, ips = in_core_reference(key, gpu)
+    return (limit, ips) if limit else None
+
+
 def _simulate(args):
     from vmalloc.offload.planner import plan
     from vmalloc.offload.simulator import simulate
@@ -120,11 +131,13 @@ def _simulate(args):
         raise OffloadCliError("--budget and --window apply to --scheduler window only")
     gpu = _gpu(args.gpu)
     seq = _sequence(args.model, args.batch)
+    # the paper's reference: in-core images/s at the in-core limit (relative_speed divides by it)
+    ref = _reference(args.model, gpu)
     p = plan(seq, gpu, args.scheduler, args.allocator, budget=args.budget, window=args.window,
-             chunk_size=args.chunk_size)
+             chunk_size=args.chunk_size, reference=ref)
     if p.feasible:
         r = simulate(seq, p.schedule, gpu=gpu, allocator=args.allocator,
-                     chunk_size=args.chunk_size, timeline=bool(args.plot))
+                     chunk_size=args.chunk_size, timeline=bool(args.plot), reference=ref)
     else:
         r = p.result
         if r is None:
@@ -176,15 +189,17 @@ def table(model="resnet50", gpu="v100-16gb", batches=None, progress=False):
         inc = simulate(seq, None, gpu=gpu, allocator="caching")
         row = {"batch": b,
                "in_core": None if inc.out_of_memory else inc.images_per_second}
+        ref = (limit, limit_ips) if limit else None
         for sch, alloc in configs:
-            p = plan(seq, gpu, sch, alloc)
+            p = plan(seq, gpu, sch, alloc, reference=ref)
             key = f"{sch}+{alloc}"
             if p.feasible:
                 r = p.result
                 row[key] = r.images_per_second
                 row[key + ":params"] = p.params
-                row[key + ":relative"] = (r.images_per_second / limit_ips if limit_ips
-                                          else None)
+                # the same figure as simulate's relative_speed (the paper's ratio)
+                row[key + ":relative"] = r.relative_speed
+                row[key + ":speed_vs_compute_only"] = r.speed_vs_compute_only
                 row[key + ":bound_ratio"] = r.bound_ratio
                 row[key + ":serial_bound_ratio"] = r.serial_bound_ratio
             else:
@@ -199,7 +214,10 @@ def table(model="resnet50", gpu="v100-16gb", batches=None, progress=False):
         rows.append(row)
     if progress:
         print(file=sys.stderr)
-    return {"model": model, "gpu": gpu.name, "in_core_limit": limit,
+    from vmalloc.offload.simulator import link_description
+
+    return {"model": model, "gpu": gpu.name, "link": link_description(gpu),
+            "in_core_limit": limit,
             "in_core_limit_images_per_second": limit_ips, "rows": rows}
 
 
@@ -228,7 +246,8 @@ def _table(args):
 
     paper = any("paper_schedule_va" in r for r in t["rows"])
     print(f"{t['model']} on {t['gpu']}: images/s (OOM: out of memory); in-core limit batch "
-          f"{t['in_core_limit']} at {t['in_core_limit_images_per_second'] or 0:.0f} images/s")
+          f"{t['in_core_limit']} at {t['in_core_limit_images_per_second'] or 0:.0f} images/s; "
+          f"link {t['link']}")
     head = (f"{'batch':>6} {'in-core':>8} {'win+cach':>8} {'win+virt':>8} {'rel':>5} "
             f"{'lms+virt':>8} {'vdnn+vir':>8}")
     if paper:

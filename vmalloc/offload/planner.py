@@ -18,6 +18,7 @@ then bisection).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -35,6 +36,13 @@ GiB = 1 << 30
 BUDGET_FRACTIONS = (0.6, 0.75, 0.9)
 WINDOWS = (256 * MiB, 1 * GiB, 4 * GiB)
 LMS_GRID = [(t, a) for t in (2, 8, 32, 128) for a in (1, 4, 16)]
+#: The continuous search's ranges and tolerances: budget as a fraction of the GPU's memory,
+#: window in bytes (searched on log2), LMS's integers on log2.
+BUDGET_RANGE = (0.5, 0.995)
+BUDGET_TOL = 0.005
+WINDOW_RANGE = (64 * MiB, 16 * GiB)
+WINDOW_TOL = 0.1
+LMS_TOL = 0.15
 
 
 @dataclass
@@ -56,20 +64,60 @@ class Plan:
                 "result": None if self.result is None else self.result.to_dict()}
 
 
-def _try(seq, name, params, gpu, allocator, chunk_size):
+def _try(seq, name, params, gpu, allocator, chunk_size, reference=None):
     try:
         sched = make_scheduler(name, **params).schedule(seq)
     except ScheduleError as e:
         return None, None, str(e)
-    r = simulate(seq, sched, gpu=gpu, allocator=allocator, chunk_size=chunk_size)
+    r = simulate(seq, sched, gpu=gpu, allocator=allocator, chunk_size=chunk_size,
+                 reference=reference)
     return sched, r, (r.oom_message if r.out_of_memory else None)
 
 
+GOLDEN = (math.sqrt(5) - 1) / 2
+
+
+def golden_max(f, lo, hi, tol, integer=False):
+    """Golden-section search of ``f`` over ``[lo, hi]`` for its maximum, to within ``tol``
+    (integers when ``integer``): f is unimodal for the planner's parameters up to the point
+    where the plan runs out of memory, where it drops to 0 (a cliff golden section handles, since
+    the lower probe then wins). Returns the best point probed."""
+    best = [None, -1.0]
+
+    def g(x):
+        if integer:
+            x = int(round(x))
+        y = f(x)
+        y = -1.0 if y is None else y
+        if y > best[1]:
+            best[0], best[1] = x, y
+        return y
+
+    a, b = float(lo), float(hi)
+    c = b - GOLDEN * (b - a)
+    d = a + GOLDEN * (b - a)
+    fc, fd = g(c), g(d)
+    while b - a > tol:
+        if fc >= fd:
+            b, d, fd = d, c, fc
+            c = b - GOLDEN * (b - a)
+            fc = g(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + GOLDEN * (b - a)
+            fd = g(d)
+    return best[0]
+
+
 def plan(seq, gpu="v100-16gb", scheduler="window", allocator="virtual", budget=None,
-         window=None, chunk_size=None) -> Plan:
+         window=None, chunk_size=None, reference=None, drop=False) -> Plan:
     """The fastest parameters of ``scheduler`` for ``seq`` on ``gpu`` with ``allocator`` that
-    do not run out of memory (see the module docstring for the grids). ``budget`` and
-    ``window`` (window scheduler) fix those parameters instead of searching them."""
+    do not run out of memory (see the module docstring for the search). ``budget`` and
+    ``window`` (window scheduler) fix those parameters instead of searching them.
+    ``reference`` (``(batch, images/s)`` of the in-core limit) is passed to
+    :func:`~vmalloc.offload.simulate` so that the result's ``relative_speed`` is the paper's.
+    ``drop`` (window scheduler): a variable whose host copy is still valid is dropped, not
+    swapped out again."""
     gpu = get_gpu(gpu)
     if scheduler not in SCHEDULERS:
         raise InvalidArgumentError(
@@ -77,13 +125,15 @@ def plan(seq, gpu="v100-16gb", scheduler="window", allocator="virtual", budget=N
     best = [None]           # (ips, params, sched, result)
     last = [None, None]     # (result, reason) of the last failure
     tried = [0]
+    extra = {"drop": True} if scheduler == "window" and drop else {}
 
     def evaluate(params):
         key = tuple(sorted(params.items()))
         if key in seen:
             return seen[key]
         tried[0] += 1
-        sched, r, why = _try(seq, scheduler, params, gpu, allocator, chunk_size)
+        sched, r, why = _try(seq, scheduler, {**params, **extra}, gpu, allocator, chunk_size,
+                             reference)
         ips = None
         if r is not None and not r.out_of_memory:
             ips = r.images_per_second or 0.0
@@ -106,25 +156,45 @@ def plan(seq, gpu="v100-16gb", scheduler="window", allocator="virtual", budget=N
             for w in windows:
                 evaluate({"window": w, "budget": b})
         if best[0] is not None:
-            _, p, _, _ = best[0]
-            if window is None:
-                for w in (p["window"] // 2, p["window"] * 2):
-                    evaluate({"window": max(MiB, w), "budget": p["budget"]})
-            if budget is None:
-                _, p, _, _ = best[0]
-                for db in (-0.05, 0.05):
-                    b = int(p["budget"] + db * mem)
-                    if 0.3 * mem <= b <= 0.98 * mem:
-                        evaluate({"window": p["window"], "budget": b})
+            # continuous refinement, one coordinate at a time: the budget (fraction of the
+            # memory, to BUDGET_TOL) and the window (log2 bytes, to WINDOW_TOL)
+            def by_budget(frac):
+                return evaluate({"window": best[0][1]["window"], "budget": int(frac * mem)})
+
+            def by_window(lg):
+                return evaluate({"window": max(MiB, int(2 ** lg)),
+                                 "budget": best[0][1]["budget"]})
+            lw = (math.log2(WINDOW_RANGE[0]), math.log2(WINDOW_RANGE[1]))
+            for _ in range(2):
+                if budget is None:
+                    golden_max(by_budget, BUDGET_RANGE[0], BUDGET_RANGE[1], BUDGET_TOL)
+                if window is None:
+                    golden_max(by_window, lw[0], lw[1], WINDOW_TOL)
     elif scheduler == "lms":
         for t, a in LMS_GRID:
             evaluate({"swapout_threshold": t, "swapin_ahead": a})
+        if best[0] is not None:
+            # the same refinement as the window's: golden section on each integer parameter
+            n = max(2, len(seq.functions))
+
+            def by_threshold(lg):
+                return evaluate({"swapout_threshold": max(1, int(round(2 ** lg))),
+                                 "swapin_ahead": best[0][1]["swapin_ahead"]})
+
+            def by_ahead(lg):
+                return evaluate({"swapout_threshold": best[0][1]["swapout_threshold"],
+                                 "swapin_ahead": max(0, int(round(2 ** lg)) - 1)})
+            for _ in range(2):
+                golden_max(by_threshold, 0.0, math.log2(n), LMS_TOL)
+                golden_max(by_ahead, 0.0, math.log2(n), LMS_TOL)
     else:
         evaluate({})
     if best[0] is None:
         return Plan(scheduler, {}, False, last[0], None, tried[0],
                     last[1] or "no feasible parameters")
     ips, params, sched, r = best[0]
+    if extra:
+        params = {**params, **extra}
     return Plan(scheduler, params, True, r, sched, tried[0])
 
 
@@ -172,8 +242,11 @@ def in_core_reference(model, gpu="v100-16gb", allocator="caching"):
     """(batch, images/s): the in-core limit (the largest batch that runs with no swaps) and its
     speed, the paper's reference for "relative to in-core" (its 55 % at batch 1440 is 321
     images/s against 581 at the in-core limit 190)."""
-    fn = _seq_fn(model)
     gpu = get_gpu(gpu)
+    key = (model, gpu, allocator) if isinstance(model, str) else None
+    if key is not None and key in _REFERENCES:
+        return _REFERENCES[key]
+    fn = _seq_fn(model)
     cache = {}
 
     def ok(b):
@@ -182,9 +255,13 @@ def in_core_reference(model, gpu="v100-16gb", allocator="caching"):
         return not r.out_of_memory
 
     b = _largest(ok, resolution=0.0)
-    if b == 0:
-        return 0, None
-    return b, cache[b].images_per_second
+    out = (0, None) if b == 0 else (b, cache[b].images_per_second)
+    if key is not None:
+        _REFERENCES[key] = out
+    return out
+
+
+_REFERENCES = {}    # (model name, GPU, allocator) -> in_core_reference()
 
 
 def max_batch(model, gpu="v100-16gb", scheduler="window", allocator="virtual",
@@ -205,8 +282,10 @@ def max_batch(model, gpu="v100-16gb", scheduler="window", allocator="virtual",
         start = max(start, limit)
     plans = {}
 
+    ref = (limit, speed) if scheduler != "none" and min_relative_speed else None
+
     def ok(b):
-        p = plan(fn(b), gpu, scheduler, allocator)
+        p = plan(fn(b), gpu, scheduler, allocator, reference=ref)
         plans[b] = p
         if not p.feasible:
             return False

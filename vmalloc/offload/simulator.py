@@ -70,7 +70,10 @@ class SimulationResult:
     iteration_seconds: Optional[float]
     images_per_second: Optional[float]
     in_core_seconds: float
+    #: In-core images/s at this batch: only when this batch runs in core (else None).
     in_core_images_per_second: Optional[float]
+    #: The paper's ratio: images/s over in-core images/s at the in-core limit (None when the
+    #: limit is not known: pass ``reference`` to :func:`simulate`).
     relative_speed: Optional[float]
     compute_seconds: float
     stall_seconds: Dict[str, float]
@@ -87,6 +90,19 @@ class SimulationResult:
     h2d_seconds: float
     d2h_seconds: float
     out_of_memory: bool
+    #: The host link the copy times used (the GPU model's ``link`` and its bandwidths).
+    link: str = ""
+    #: The in-core limit (largest batch with no swaps) and its images/s: the paper's reference.
+    in_core_limit_batch: Optional[int] = None
+    in_core_limit_images_per_second: Optional[float] = None
+    #: The other ratio: compute-only time at this batch / iteration time (memory unlimited).
+    speed_vs_compute_only: Optional[float] = None
+    #: images/s of this batch's compute alone (memory unlimited; not an in-core speed).
+    compute_only_images_per_second: Optional[float] = None
+    #: Host time in virtual-address mapping calls (create, map, set_access, unmap, ...), priced
+    #: per call by the device's cost model, and how many such calls the iteration made.
+    va_seconds: float = 0.0
+    va_calls: int = 0
     oom_function: Optional[dict] = None
     oom_message: Optional[str] = None
     timeline: Optional[dict] = field(default=None, repr=False)
@@ -106,14 +122,29 @@ class SimulationResult:
             return (f"{head}: OUT OF MEMORY at function {f.get('index')} ({f.get('name')}); "
                     f"peak reserved {format_size(self.peak_reserved_bytes)} of "
                     f"{format_size(self.capacity_bytes)}")
-        return (f"{head}: {self.images_per_second:.1f} images/s "
-                f"({self.relative_speed:.0%} of in-core {self.in_core_images_per_second:.1f}), "
-                f"iteration {self.iteration_seconds * 1e3:.1f} ms "
+        if self.relative_speed is not None:
+            rel = (f"{self.relative_speed:.0%} of in-core at the in-core limit (batch "
+                   f"{self.in_core_limit_batch}, {self.in_core_limit_images_per_second:.1f} "
+                   f"images/s)")
+        else:
+            rel = f"{self.speed_vs_compute_only:.0%} of this batch's compute-only speed"
+        if self.in_core_images_per_second is not None and self.in_core_limit_batch is not None:
+            rel += f"; in core at this batch {self.in_core_images_per_second:.1f}"
+        return (f"{head}, link {self.link}: {self.images_per_second:.1f} images/s "
+                f"({rel}), iteration {self.iteration_seconds * 1e3:.1f} ms "
                 f"(bound {self.bound_seconds * 1e3:.1f} ms, x{self.bound_ratio:.3f}); "
                 f"peak requested {format_size(self.peak_requested_bytes)}, reserved "
                 f"{format_size(self.peak_reserved_bytes)}, budget {format_size(self.budget_bytes)}; "
                 f"swapped out {format_size(self.swapped_out_bytes)}, in "
-                f"{format_size(self.swapped_in_bytes)}")
+                f"{format_size(self.swapped_in_bytes)}; VA mapping {self.va_calls} calls, "
+                f"{self.va_seconds * 1e3:.1f} ms of host time")
+
+
+def link_description(gpu) -> str:
+    """The link model a simulation used, e.g. ``"NVLink 2 to POWER9 (2 bricks): H2D 45.9 /
+    D2H 45.9 / both 45.9 GB/s"``."""
+    return (f"{gpu.link or 'unnamed'}: H2D {gpu.h2d_bandwidth / 1e9:.1f} / D2H "
+            f"{gpu.d2h_bandwidth / 1e9:.1f} / both {gpu.bidirectional_bandwidth / 1e9:.1f} GB/s")
 
 
 def function_seconds(seq, gpu) -> List[float]:
@@ -192,9 +223,16 @@ def _make_allocator(kind, device, chunk_size, steal=True):
 
 
 class _Memory:
-    """Variables' device memory through a real allocator; samples for the timeline."""
+    """Variables' device memory through a real allocator; samples for the timeline.
 
-    def __init__(self, alloc, seq, stable, record):
+    Every acquire and release returns the host seconds its driver calls cost: the device's
+    cost model (:meth:`vmalloc.Device.counters`, ``modeled_seconds``) prices each mapping call
+    -- cuMemCreate 193 us per 2 MiB chunk, cuMemMap 1.45 us, cuMemSetAccess 36 us, cuMemUnmap
+    25.6 us, cuMemAddressReserve 19 us per call (kvcached bench_vmm on an A100, as quoted in
+    the project's reference numbers.md) -- so virtual addressing costs what its calls cost, per
+    call and per chunk; a warm caching allocator makes no calls and pays nothing."""
+
+    def __init__(self, alloc, seq, stable, record, device=None):
         self.alloc = alloc
         self.seq = seq
         self.ptr: Dict[int, int] = {}
@@ -202,6 +240,33 @@ class _Memory:
         self.stable = stable
         self.samples = [] if record else None
         self.where = None  # (index, name) for OOM reports
+        self.device = device
+        self.va_seconds = 0.0
+        self.va_calls = 0
+        self._mark()
+
+    def _mark(self):
+        if self.device is not None:
+            c = self.device.counters()
+            self._seconds = c["modeled_seconds"]
+            self._calls = c["memory_management_calls"]
+
+    def _cost(self):
+        """Host seconds of the mapping calls since the last mark."""
+        if self.device is None:
+            return 0.0
+        c = self.device.counters()
+        dt = c["modeled_seconds"] - self._seconds
+        self.va_calls += c["memory_management_calls"] - self._calls
+        self._seconds = c["modeled_seconds"]
+        self._calls = c["memory_management_calls"]
+        self.va_seconds += dt
+        return dt
+
+    def reset_costs(self):
+        self._mark()
+        self.va_seconds = 0.0
+        self.va_calls = 0
 
     def _sample(self, t):
         if self.samples is not None:
@@ -219,12 +284,14 @@ class _Memory:
                 self.ptr[v] = self.alloc.allocate(n)
         except vmalloc.OutOfMemoryError as e:
             raise _OOM(str(e)) from None
-        self._sample(t)
+        dt = self._cost()
+        self._sample(t + dt)
+        return dt
 
     def release(self, v, t, swap=False):
         p = self.ptr.pop(v, None)
         if p is None:
-            return
+            return 0.0
         if swap and self.stable and self.alloc.owns_chunks(p):
             # Pointer-stable: the chunks go back to the pool, the range stays reserved.
             # (Small blocks share arena chunks: they relocate, as the SwapManager does.)
@@ -232,12 +299,15 @@ class _Memory:
             self.unmapped[v] = p
         else:
             self.alloc.deallocate(p)
-        self._sample(t)
+        dt = self._cost()
+        self._sample(t + dt)
+        return dt
 
 
 def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_size=None,
              capacity=None, timeline=False, iterations=2,
-             steal_before_create=True, release_completed=None) -> SimulationResult:
+             steal_before_create=True, release_completed=None,
+             reference=None, va_costs=True) -> SimulationResult:
     """Simulates one steady-state iteration of ``seq`` under ``schedule`` on ``gpu``.
 
     Args:
@@ -258,6 +328,15 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
             which LMS schedules assume (default: True for ``scheduler == "lms"``).
         timeline: keep per-event intervals and memory samples (for :mod:`~vmalloc.offload.timeline`).
         iterations: iterations run on the same allocator; the last is reported (default 2).
+        reference: ``(batch, images/s)`` of the in-core limit on this GPU
+            (:func:`~vmalloc.offload.planner.in_core_reference`): with it ``relative_speed`` is
+            the paper's ratio, images/s over the in-core images/s at the in-core limit, and
+            ``in_core_images_per_second`` is quoted only for a batch at or under the limit.
+            Without it ``relative_speed`` is None and the in-core speed at this batch is quoted
+            only when the sequence's in-core peak fits the capacity.
+
+    Virtual-address mapping calls cost host time (see :class:`_Memory`; ``va_costs=False``
+    makes them free): ``va_seconds`` and ``va_calls`` report them. ``link`` names the link model the copy times used.
 
     Out-of-memory is reported in the result (``out_of_memory``, ``oom_function``,
     ``oom_message`` with the allocator's state), not raised.
@@ -285,7 +364,7 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
     durations = function_seconds(seq, gpu)
     if release_completed is None:
         release_completed = schedule.scheduler == "lms"
-    mem = _Memory(alloc, seq, stable, False)
+    mem = _Memory(alloc, seq, stable, False, device if va_costs else None)
     oom = None
     run = None
     try:
@@ -296,6 +375,7 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
             last = it == iterations - 1
             if last:
                 alloc.reset_peak_stats()
+                mem.reset_costs()
                 if timeline:
                     mem.samples = []
                     mem._sample(0.0)
@@ -314,12 +394,18 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
     # swap-outs (forward) and swap-ins (backward) of a training step mostly cannot overlap:
     # the serial bound adds the two directions' transfer times
     serial = max(compute, _xfer(out_bytes, gpu.d2h_bandwidth) + _xfer(in_bytes, gpu.h2d_bandwidth))
-    ips_in = batch / in_core if batch and in_core > 0 else None
+    ips_compute = batch / in_core if batch and in_core > 0 else None
+    limit_b = limit_ips = None
+    if reference is not None:
+        limit_b, limit_ips = reference
+        runs_in_core = bool(batch) and bool(limit_b) and batch <= limit_b
+    else:
+        runs_in_core = seq.in_core_peak() <= cap
     res = SimulationResult(
         model=seq.name, batch=batch, gpu=gpu.name, scheduler=schedule.scheduler,
         allocator=allocator, chunk_size=chunk, params=dict(schedule.params),
         iteration_seconds=None, images_per_second=None, in_core_seconds=in_core,
-        in_core_images_per_second=ips_in, relative_speed=None, compute_seconds=compute,
+        in_core_images_per_second=None, relative_speed=None, compute_seconds=compute,
         stall_seconds={"swap_in": 0.0, "swap_out": 0.0, "tail": 0.0},
         bound_seconds=bound, bound_ratio=None,
         serial_bound_seconds=serial, serial_bound_ratio=None,
@@ -327,7 +413,14 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
         peak_reserved_bytes=stats.peak_reserved_bytes,
         budget_bytes=schedule.budget if schedule.budget is not None else cap,
         capacity_bytes=cap, swapped_out_bytes=out_bytes, swapped_in_bytes=in_bytes,
-        h2d_seconds=0.0, d2h_seconds=0.0, out_of_memory=oom is not None)
+        h2d_seconds=0.0, d2h_seconds=0.0, out_of_memory=oom is not None,
+        link=link_description(gpu), in_core_limit_batch=limit_b,
+        in_core_limit_images_per_second=limit_ips,
+        compute_only_images_per_second=ips_compute,
+        va_seconds=mem.va_seconds, va_calls=mem.va_calls)
+    if runs_in_core:
+        # the compute-only time is the in-core time when the batch fits with no swaps
+        res.in_core_images_per_second = ips_compute
     if oom is not None:
         (index, name), message = oom
         res.oom_function = {"index": index, "name": name}
@@ -340,7 +433,10 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
     res.d2h_seconds = d2h
     if batch and t > 0:
         res.images_per_second = batch / t
-        res.relative_speed = in_core / t
+        if limit_ips:
+            res.relative_speed = res.images_per_second / limit_ips
+    if t > 0:
+        res.speed_vs_compute_only = in_core / t
     res.bound_ratio = t / bound if bound > 0 else 1.0
     res.serial_bound_ratio = t / serial if serial > 0 else 1.0
     if timeline:
@@ -378,16 +474,16 @@ def _run_iteration(seq, schedule, gpu, durations, mem, record, release_completed
                 if v in pending_out and out_end.get(v) is not None:
                     pending_out.discard(v)
                     on_device.discard(v)
-                    mem.release(v, h, swap=True)
+                    h += mem.release(v, h, swap=True)
         for v in step.wait_swap_out:
             h = max(h, out_end.get(v, 0.0))
             if v in pending_out:
                 pending_out.discard(v)
                 on_device.discard(v)
-                mem.release(v, h, swap=True)
+                h += mem.release(v, h, swap=True)
         for v in step.allocate:
             if v not in on_device:
-                mem.acquire(v, h)
+                h += mem.acquire(v, h)
                 on_device.add(v)
         for v in step.swap_in:
             if v in pending_out:      # its swap-out not yet waited: the device copy is valid
@@ -395,7 +491,7 @@ def _run_iteration(seq, schedule, gpu, durations, mem, record, release_completed
                 continue
             if v in on_device:
                 continue
-            mem.acquire(v, h)
+            h += mem.acquire(v, h)
             on_device.add(v)
             s, e = h2d.copy(max(h, out_end.get(v, 0.0)), var[v].nbytes, d2h)
             in_end[v] = e
@@ -416,7 +512,7 @@ def _run_iteration(seq, schedule, gpu, durations, mem, record, release_completed
             pending_out.discard(v)
             if v in on_device:
                 on_device.discard(v)
-                mem.release(v, h)
+                h += mem.release(v, h)
         for v in step.swap_out:
             s, e = d2h.copy(end, var[v].nbytes, h2d)
             out_end[v] = e
@@ -432,7 +528,7 @@ def _run_iteration(seq, schedule, gpu, durations, mem, record, release_completed
         if v in pending_out:
             pending_out.discard(v)
             on_device.discard(v)
-            mem.release(v, h, swap=True)
+            h += mem.release(v, h, swap=True)
     t_end = max(t_end, h, h2d.free_at, d2h.free_at)
     stalls["tail"] = t_end - c
     # anything left that should not be (a schedule that forgot a free) goes at the end;
