@@ -46,7 +46,7 @@ def test_window_plan_is_feasible_and_beats_nothing_fitting():
 def test_plan_fixed_budget_and_errors():
     seq = chain(4)
     p = plan(seq, "v100-16gb", "window", budget="8GiB", window="64MiB")
-    assert p.feasible and p.params == {"window": 64 * MiB, "budget": 8 << 30}
+    assert p.feasible and p.params == {"window": 64 * MiB, "budget": 8 << 30, "drop": True}
     assert plan(seq, "v100-16gb", "none").feasible
     assert plan(seq, "v100-16gb", "vdnn").feasible
     with pytest.raises(InvalidArgumentError, match="scheduler"):

@@ -110,7 +110,7 @@ def golden_max(f, lo, hi, tol, integer=False):
 
 
 def plan(seq, gpu="v100-16gb", scheduler="window", allocator="virtual", budget=None,
-         window=None, chunk_size=None, reference=None, drop=False) -> Plan:
+         window=None, chunk_size=None, reference=None, drop=True) -> Plan:
     """The fastest parameters of ``scheduler`` for ``seq`` on ``gpu`` with ``allocator`` that
     do not run out of memory (see the module docstring for the search). ``budget`` and
     ``window`` (window scheduler) fix those parameters instead of searching them.
@@ -125,7 +125,7 @@ def plan(seq, gpu="v100-16gb", scheduler="window", allocator="virtual", budget=N
     best = [None]           # (ips, params, sched, result)
     last = [None, None]     # (result, reason) of the last failure
     tried = [0]
-    extra = {"drop": True} if scheduler == "window" and drop else {}
+    extra = {"drop": bool(drop)} if scheduler in ("window", "lms") else {}
 
     def evaluate(params):
         key = tuple(sorted(params.items()))

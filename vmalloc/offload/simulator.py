@@ -475,6 +475,12 @@ def _run_iteration(seq, schedule, gpu, durations, mem, record, release_completed
                     pending_out.discard(v)
                     on_device.discard(v)
                     h += mem.release(v, h, swap=True)
+        for v in step.drop:
+            # the host copy is valid: the memory goes with no copy (pointer-stable like a
+            # swap-out, since a swap-in brings it back)
+            if v in on_device and v not in pending_out:
+                on_device.discard(v)
+                h += mem.release(v, h, swap=True)
         for v in step.wait_swap_out:
             h = max(h, out_end.get(v, 0.0))
             if v in pending_out:
@@ -527,6 +533,10 @@ def _run_iteration(seq, schedule, gpu, durations, mem, record, release_completed
         h = max(h, out_end.get(v, 0.0))
         if v in pending_out:
             pending_out.discard(v)
+            on_device.discard(v)
+            h += mem.release(v, h, swap=True)
+    for v in schedule.end_drop:
+        if v in on_device and v not in pending_out:
             on_device.discard(v)
             h += mem.release(v, h, swap=True)
     t_end = max(t_end, h, h2d.free_at, d2h.free_at)
