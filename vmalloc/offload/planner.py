@@ -64,9 +64,46 @@ class Plan:
                 "result": None if self.result is None else self.result.to_dict()}
 
 
-def _try(seq, name, params, gpu, allocator, chunk_size, reference=None):
+def schedule_with_choices(seq, name, params, gpu="v100-16gb", recompute=None, compress=None):
+    """The schedule of ``seq`` by scheduler ``name`` with ``params``, with recompute and
+    compression as choices: ``recompute`` is None, ``"memory"`` (memory-bound chains only) or
+    ``"all"`` (convolutions and matmuls too, when cheaper than moving the variable);
+    ``compress`` None, ``"fp16"`` or ``"bf16"``. A recompute plan is kept only when it moves no
+    more bytes than the swap-only schedule with the same parameters (and fits its budget);
+    else the swap-only schedule is returned. Raises :class:`ScheduleError` when even that
+    cannot be scheduled."""
+    base = make_scheduler(name, **params).schedule(seq)
+    sched = base
+    if recompute:
+        from vmalloc.offload.recompute import recompute_candidates, with_recompute
+
+        vs = recompute_candidates(seq, gpu, compute_bound=(recompute == "all"))
+        if vs:
+            rc = with_recompute(seq, vs)
+            try:
+                alt = make_scheduler(name, **params).schedule(rc.sequence)
+            except ScheduleError:
+                alt = None
+            if alt is not None:
+                alt.recompute = rc
+                if (alt.swap_out_bytes(seq) + alt.swap_in_bytes(seq)
+                        <= base.swap_out_bytes(seq) + base.swap_in_bytes(seq)):
+                    sched = alt
+    if compress:
+        from vmalloc.offload.recompute import COMPRESSIONS, compressible
+
+        if compress not in COMPRESSIONS:
+            raise InvalidArgumentError(f"unknown compression {compress!r}; choose from "
+                                       f"{', '.join(COMPRESSIONS)}")
+        sched.compressed = frozenset(compressible(sched.sequence_of(seq)))
+        sched.compression = compress
+    return sched
+
+
+def _try(seq, name, params, gpu, allocator, chunk_size, reference=None, recompute=None,
+         compress=None):
     try:
-        sched = make_scheduler(name, **params).schedule(seq)
+        sched = schedule_with_choices(seq, name, params, gpu, recompute, compress)
     except ScheduleError as e:
         return None, None, str(e)
     r = simulate(seq, sched, gpu=gpu, allocator=allocator, chunk_size=chunk_size,
@@ -110,14 +147,18 @@ def golden_max(f, lo, hi, tol, integer=False):
 
 
 def plan(seq, gpu="v100-16gb", scheduler="window", allocator="virtual", budget=None,
-         window=None, chunk_size=None, reference=None, drop=True) -> Plan:
+         window=None, chunk_size=None, reference=None, drop=True, recompute=False,
+         compress=None) -> Plan:
     """The fastest parameters of ``scheduler`` for ``seq`` on ``gpu`` with ``allocator`` that
     do not run out of memory (see the module docstring for the search). ``budget`` and
     ``window`` (window scheduler) fix those parameters instead of searching them.
     ``reference`` (``(batch, images/s)`` of the in-core limit) is passed to
     :func:`~vmalloc.offload.simulate` so that the result's ``relative_speed`` is the paper's.
     ``drop`` (window scheduler): a variable whose host copy is still valid is dropped, not
-    swapped out again."""
+    swapped out again. ``recompute`` (True, or ``"memory"``/``"all"``): recompute considered per
+    variable (:mod:`~vmalloc.offload.recompute`): the search runs without it, with memory-bound
+    chains, and with convolutions too (True), and keeps the fastest. ``compress`` (``"fp16"`` or
+    ``"bf16"``, opt-in): float32 activations swapped at half their bytes."""
     gpu = get_gpu(gpu)
     if scheduler not in SCHEDULERS:
         raise InvalidArgumentError(
@@ -127,74 +168,93 @@ def plan(seq, gpu="v100-16gb", scheduler="window", allocator="virtual", budget=N
     tried = [0]
     extra = {"drop": bool(drop)} if scheduler in ("window", "lms") else {}
 
+    variant = [None]
+
     def evaluate(params):
-        key = tuple(sorted(params.items()))
+        key = (variant[0],) + tuple(sorted(params.items()))
         if key in seen:
             return seen[key]
         tried[0] += 1
         sched, r, why = _try(seq, scheduler, {**params, **extra}, gpu, allocator, chunk_size,
-                             reference)
+                             reference, variant[0], compress)
         ips = None
         if r is not None and not r.out_of_memory:
             ips = r.images_per_second or 0.0
             if best[0] is None or ips > best[0][0]:
-                best[0] = (ips, dict(params), sched, r)
+                chosen = dict(params)
+                if sched.recompute is not None:
+                    chosen["recompute"] = variant[0]
+                best[0] = (ips, chosen, sched, r)
         else:
             last[0], last[1] = r, why
         seen[key] = ips
         return ips
 
     seen = {}
-    if scheduler == "window":
-        mem = gpu.memory_bytes
-        if budget is not None:
-            budgets = [parse_size(budget, "budget")]
-        else:
-            budgets = [int(f * mem) for f in BUDGET_FRACTIONS]
-        windows = [parse_size(window, "window")] if window is not None else list(WINDOWS)
-        for b in budgets:
-            for w in windows:
-                evaluate({"window": w, "budget": b})
-        if best[0] is not None:
-            # continuous refinement, one coordinate at a time: the budget (fraction of the
-            # memory, to BUDGET_TOL) and the window (log2 bytes, to WINDOW_TOL)
-            def by_budget(frac):
-                return evaluate({"window": best[0][1]["window"], "budget": int(frac * mem)})
+    if recompute is True:
+        variants = [None, "memory", "all"]
+    elif recompute:
+        variants = [None, recompute]
+    else:
+        variants = [None]
+    if scheduler in ("none", "vdnn"):
+        variants = variants[:1] if scheduler == "none" else variants
+    for var_ in variants:
+        variant[0] = var_
+        if scheduler == "window":
+            mem = gpu.memory_bytes
+            if budget is not None:
+                budgets = [parse_size(budget, "budget")]
+            else:
+                budgets = [int(f * mem) for f in BUDGET_FRACTIONS]
+            windows = [parse_size(window, "window")] if window is not None else list(WINDOWS)
+            for b in budgets:
+                for w in windows:
+                    evaluate({"window": w, "budget": b})
+            if best[0] is not None:
+                # continuous refinement, one coordinate at a time: the budget (fraction of the
+                # memory, to BUDGET_TOL) and the window (log2 bytes, to WINDOW_TOL)
+                def by_budget(frac):
+                    return evaluate({"window": best[0][1]["window"], "budget": int(frac * mem)})
 
-            def by_window(lg):
-                return evaluate({"window": max(MiB, int(2 ** lg)),
-                                 "budget": best[0][1]["budget"]})
-            lw = (math.log2(WINDOW_RANGE[0]), math.log2(WINDOW_RANGE[1]))
-            for _ in range(2):
+                def by_window(lg):
+                    return evaluate({"window": max(MiB, int(2 ** lg)),
+                                     "budget": best[0][1]["budget"]})
+                lw = (math.log2(WINDOW_RANGE[0]), math.log2(WINDOW_RANGE[1]))
+                # budget, window, then the budget again (it depends on the window)
                 if budget is None:
                     golden_max(by_budget, BUDGET_RANGE[0], BUDGET_RANGE[1], BUDGET_TOL)
                 if window is None:
                     golden_max(by_window, lw[0], lw[1], WINDOW_TOL)
-    elif scheduler == "lms":
-        for t, a in LMS_GRID:
-            evaluate({"swapout_threshold": t, "swapin_ahead": a})
-        if best[0] is not None:
-            # the same refinement as the window's: golden section on each integer parameter
-            n = max(2, len(seq.functions))
+                if budget is None:
+                    golden_max(by_budget, BUDGET_RANGE[0], BUDGET_RANGE[1], BUDGET_TOL)
+        elif scheduler == "lms":
+            for t, a in LMS_GRID:
+                evaluate({"swapout_threshold": t, "swapin_ahead": a})
+            if best[0] is not None:
+                # the same refinement as the window's: golden section on each integer parameter
+                n = max(2, len(seq.functions))
 
-            def by_threshold(lg):
-                return evaluate({"swapout_threshold": max(1, int(round(2 ** lg))),
-                                 "swapin_ahead": best[0][1]["swapin_ahead"]})
+                def by_threshold(lg):
+                    return evaluate({"swapout_threshold": max(1, int(round(2 ** lg))),
+                                     "swapin_ahead": best[0][1]["swapin_ahead"]})
 
-            def by_ahead(lg):
-                return evaluate({"swapout_threshold": best[0][1]["swapout_threshold"],
-                                 "swapin_ahead": max(0, int(round(2 ** lg)) - 1)})
-            for _ in range(2):
+                def by_ahead(lg):
+                    return evaluate({"swapout_threshold": best[0][1]["swapout_threshold"],
+                                     "swapin_ahead": max(0, int(round(2 ** lg)) - 1)})
                 golden_max(by_threshold, 0.0, math.log2(n), LMS_TOL)
                 golden_max(by_ahead, 0.0, math.log2(n), LMS_TOL)
-    else:
-        evaluate({})
+                golden_max(by_threshold, 0.0, math.log2(n), LMS_TOL)
+        else:
+            evaluate({})
     if best[0] is None:
         return Plan(scheduler, {}, False, last[0], None, tried[0],
                     last[1] or "no feasible parameters")
     ips, params, sched, r = best[0]
     if extra:
         params = {**params, **extra}
+    if compress:
+        params["compress"] = compress
     return Plan(scheduler, params, True, r, sched, tried[0])
 
 

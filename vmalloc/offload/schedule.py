@@ -85,6 +85,13 @@ class Schedule:
     initial_resident: frozenset = frozenset()
     end_wait_swap_out: List[int] = field(default_factory=list)
     end_drop: List[int] = field(default_factory=list)
+    #: Recompute (:class:`~vmalloc.offload.recompute.Recompute`): the steps are those of its
+    #: expanded ``sequence``, in which inserted functions re-run recorded ones (None: none).
+    recompute: Optional[object] = None
+    #: Variables (ids of the sequence scheduled) swapped in a compressed format, and which
+    #: (``"fp16"`` or ``"bf16"``: half the bytes on the link, a cast on the copy stream).
+    compressed: frozenset = frozenset()
+    compression: Optional[str] = None
     #: The most device bytes the plan holds at once by its own accounting (set by check()).
     planned_peak: Optional[int] = None
 
@@ -121,6 +128,19 @@ class Schedule:
         """Variable ids dropped (released with no copy), one entry per drop, in order."""
         return [v for s in self.steps for v in s.drop] + list(self.end_drop)
 
+    def sequence_of(self, seq):
+        """The sequence the steps are for: ``seq``, or the expanded one under recompute."""
+        return self.recompute.sequence if self.recompute is not None else seq
+
+    def moved_bytes(self, seq, v) -> int:
+        """Bytes one swap of variable ``v`` puts on the link (halved when compressed)."""
+        n = self.sequence_of(seq).variables[v].nbytes
+        return n // 2 if v in self.compressed else n
+
+    def recomputed_functions(self) -> int:
+        """Functions the iteration re-runs."""
+        return 0 if self.recompute is None else len(self.recompute.origin)
+
     def swapped_out(self) -> List[int]:
         """Variable ids swapped out, one entry per swap-out, in order."""
         return [v for s in self.steps for v in s.swap_out]
@@ -129,10 +149,11 @@ class Schedule:
         return [v for s in self.steps for v in s.swap_in]
 
     def swap_out_bytes(self, seq) -> int:
-        return sum(seq.variables[v].nbytes for v in self.swapped_out())
+        """Bytes the swap-outs put on the link (compressed ones at their compressed size)."""
+        return sum(self.moved_bytes(seq, v) for v in self.swapped_out())
 
     def swap_in_bytes(self, seq) -> int:
-        return sum(seq.variables[v].nbytes for v in self.swapped_in())
+        return sum(self.moved_bytes(seq, v) for v in self.swapped_in())
 
     def describe(self, seq=None, limit: Optional[int] = None) -> str:
         """A readable listing: one line per function with something scheduled around it."""
@@ -179,6 +200,8 @@ _STATE_NAMES = ("absent", "on_host", "swapping_in", "resident", "swapping_out")
 
 
 def _check(sched, seq, budget):
+    if sched.recompute is not None:
+        seq = _check_recompute(sched, seq)
     nvar = len(seq.variables)
     nfun = len(seq.functions)
     variables = seq.variables
@@ -406,3 +429,45 @@ def _check(sched, seq, budget):
             fail(None, f"transient {name(v)} is still alive ({_STATE_NAMES[st]})")
     sched.planned_peak = peak
     return peak
+
+
+def _check_recompute(sched, seq):
+    """The recompute rules on top of the ordinary ones (which then run on the expanded
+    sequence): the expanded sequence is ``seq`` with functions inserted; each inserted function
+    re-runs its original with the same inputs (a clone standing for the variable it re-creates),
+    and none of those inputs was written between the original and the re-run, so the recompute
+    reproduces the same bits. Returns the expanded sequence."""
+    rc = sched.recompute
+    ex = rc.sequence
+    fns = seq.functions
+    if len(rc.index) != len(fns):
+        raise ScheduleError(f"the recompute plan maps {len(rc.index)} functions; the sequence "
+                            f"has {len(fns)}")
+    for i, k in enumerate(rc.index):
+        g = ex.functions[k]
+        if g.name != fns[i].name:
+            raise ScheduleError(f"function {i} ({fns[i].name}) is {g.name} in the expanded "
+                                "sequence", function=i)
+    last_write = {}
+    at = {}                  # expanded index -> position of each write, per variable
+    for k, g in enumerate(ex.functions):
+        for x in g.outputs:
+            last_write.setdefault(x, []).append(k)
+        at[k] = g
+    clones = rc.clones
+    for k, o in rc.origin.items():
+        g = ex.functions[k]
+        orig = fns[o]
+        back = tuple(clones.get(x, x) for x in g.inputs)
+        if back != orig.inputs:
+            raise ScheduleError(f"recompute of function {o} ({orig.name}) reads other "
+                                "variables than the original", function=None)
+        ko = rc.index[o]
+        for x in g.inputs:
+            if x in clones:
+                continue     # the variable being re-created (in place) or an earlier clone
+            if any(ko < w < k for w in last_write.get(x, ())):
+                raise ScheduleError(f"recompute of function {o} ({orig.name}): its input "
+                                    f"{ex.variables[x].name} (v{x}) was written since the "
+                                    "original ran: the recompute would differ", function=None)
+    return ex

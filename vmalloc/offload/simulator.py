@@ -103,6 +103,11 @@ class SimulationResult:
     #: per call by the device's cost model, and how many such calls the iteration made.
     va_seconds: float = 0.0
     va_calls: int = 0
+    #: Functions re-run by recompute and their model time (in ``compute_seconds``, not in
+    #: ``in_core_seconds``); the compression format of compressed swaps (None: lossless).
+    recomputed_functions: int = 0
+    recompute_seconds: float = 0.0
+    compression: Optional[str] = None
     oom_function: Optional[dict] = None
     oom_message: Optional[str] = None
     timeline: Optional[dict] = field(default=None, repr=False)
@@ -184,8 +189,9 @@ class _Engine:
         nxt = self.starts[i + 1] if i + 1 < len(self.starts) else math.inf
         return False, nxt
 
-    def copy(self, ready, nbytes, other):
-        """Places a copy of ``nbytes`` that may start at ``ready``; returns (start, end)."""
+    def copy(self, ready, nbytes, other, extra=0.0):
+        """Places a copy of ``nbytes`` that may start at ``ready`` (plus ``extra`` seconds on
+        the engine: a compression cast); returns (start, end)."""
         start = max(ready, self.free_at)
         if nbytes <= 0 or math.isinf(self.bw):
             end = start
@@ -205,6 +211,7 @@ class _Engine:
                 left -= (change - t) * rate
                 t = change
             end = t
+        end += extra
         self.starts.append(start)
         self.ends.append(end)
         self.free_at = end
@@ -347,6 +354,8 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
             f"unknown allocator {allocator!r}; choose from {', '.join(ALLOCATORS)}")
     if schedule is None:
         schedule = _in_core_schedule(seq)
+    # under recompute the steps are those of the expanded sequence (re-run functions inserted)
+    seq = schedule.sequence_of(seq)
     if len(schedule.steps) != len(seq.functions):
         raise InvalidArgumentError(
             f"the schedule has {len(schedule.steps)} steps for {len(seq.functions)} functions")
@@ -385,7 +394,9 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
         oom = (mem.where, str(e))
 
     compute = math.fsum(durations)
-    in_core = compute
+    rc = schedule.recompute
+    recompute_s = math.fsum(durations[k] for k in rc.origin) if rc is not None else 0.0
+    in_core = compute - recompute_s
     batch = seq.batch
     stats = alloc.stats()
     out_bytes = schedule.swap_out_bytes(seq)
@@ -417,7 +428,9 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
         link=link_description(gpu), in_core_limit_batch=limit_b,
         in_core_limit_images_per_second=limit_ips,
         compute_only_images_per_second=ips_compute,
-        va_seconds=mem.va_seconds, va_calls=mem.va_calls)
+        va_seconds=mem.va_seconds, va_calls=mem.va_calls,
+        recomputed_functions=schedule.recomputed_functions(), recompute_seconds=recompute_s,
+        compression=schedule.compression if schedule.compressed else None)
     if runs_in_core:
         # the compute-only time is the in-core time when the batch fits with no swaps
         res.in_core_images_per_second = ips_compute
@@ -455,6 +468,15 @@ def _run_iteration(seq, schedule, gpu, durations, mem, record, release_completed
     h2d = _Engine(gpu.h2d_bandwidth, gpu.bidirectional_bandwidth)
     d2h = _Engine(gpu.d2h_bandwidth, gpu.bidirectional_bandwidth)
     var = seq.variables
+    compressed = schedule.compressed
+
+    def moved(v):
+        n = var[v].nbytes
+        return n // 2 if v in compressed else n
+
+    def cast(v):
+        # fp16/bf16 compression: read 4 bytes, write 2 per element, in device memory
+        return 1.5 * var[v].nbytes / gpu.hbm_bandwidth if v in compressed else 0.0
     # variable -> state: "host", "device", "out" (swap-out in flight, memory still held)
     on_device = set(schedule.initial_resident)
     out_end: Dict[int, float] = {}     # end of the variable's last swap-out copy
@@ -499,7 +521,7 @@ def _run_iteration(seq, schedule, gpu, durations, mem, record, release_completed
                 continue
             h += mem.acquire(v, h)
             on_device.add(v)
-            s, e = h2d.copy(max(h, out_end.get(v, 0.0)), var[v].nbytes, d2h)
+            s, e = h2d.copy(max(h, out_end.get(v, 0.0)), moved(v), d2h, cast(v))
             in_end[v] = e
             if record:
                 h2d_iv.append((s, e, v))
@@ -520,7 +542,7 @@ def _run_iteration(seq, schedule, gpu, durations, mem, record, release_completed
                 on_device.discard(v)
                 h += mem.release(v, h)
         for v in step.swap_out:
-            s, e = d2h.copy(end, var[v].nbytes, h2d)
+            s, e = d2h.copy(end, moved(v), h2d, cast(v))
             out_end[v] = e
             pending_out.add(v)
             if release_completed:
