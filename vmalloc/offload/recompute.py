@@ -74,8 +74,9 @@ def _chains(seq):
         if var.persistent or len(u) < 2:
             continue
         f0 = fns[u[0]]
-        if v not in f0.outputs or v in f0.inputs:
-            continue                    # not produced here (outside data or read-modify)
+        if v not in f0.outputs or v in f0.inputs or not f0.inputs:
+            continue                    # not produced here (outside data or read-modify), or
+            #                             produced from nothing (a data load, a random fill)
         chain = [u[0]]
         k = 1
         while k < len(u) and v in fns[u[k]].outputs and v in fns[u[k]].inputs \
