@@ -179,3 +179,30 @@ def test_plan_considers_recompute_and_it_pays_when_the_link_is_slow():
     assert p1.result.recomputed_functions > 0
     assert (p1.result.swapped_out_bytes + p1.result.swapped_in_bytes
             < p0.result.swapped_out_bytes + p0.result.swapped_in_bytes)
+
+
+def test_plan_table_counts_each_choice_and_names_the_bottleneck():
+    from vmalloc.offload import Schedule, Step
+    from vmalloc.offload.plan_report import format_plan, plan_table
+
+    one = FunctionSequence(batch=1)
+    a = one.add_variable(GB, name="a", per_sample_bytes=GB)
+    w = one.add_variable(MiB, persistent=True, name="w")
+    one.add_function([w], [a], seconds=0.1, name="aten.convolution.default")
+    one.add_function([], [], seconds=0.1, name="idle")
+    one.add_function([a, w], [], seconds=0.1, name="aten.convolution_backward.default")
+    steps = [Step(allocate=[a], swap_out=[a]), Step(wait_swap_out=[a], swap_in=[a]),
+             Step(wait_swap_in=[a], free=[a])]
+    s = Schedule("hand", steps, initial_resident=frozenset([w]), compressed=frozenset([a]),
+                 compression="fp16")
+    r = simulate(one, s, gpu=TOY, va_costs=False)
+    t = plan_table(one, s, r)
+    conv = t["classes"]["convolution"]
+    assert conv["variables"] == 1 and conv["compress"] == 1 and conv["keep"] == 0
+    assert conv["compress_bytes_moved"] == GB          # half out, half in
+    par = t["classes"]["parameters and state"]
+    assert par["keep"] == 1 and par["swap_bytes_moved"] == 0
+    # 0.5 GB each way at 1 GB/s (+ casts) against 0.3 s of compute: the link is the limit
+    assert t["bottleneck"] in ("H2D", "D2H")
+    text = format_plan(t)
+    assert "convolution" in text and "bottleneck" in text and "link" in text

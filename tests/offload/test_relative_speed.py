@@ -50,3 +50,14 @@ def test_p100_calibrated_on_le_et_al_in_core_row():
         assert not r.out_of_memory
         assert r.images_per_second == pytest.approx(published, rel=0.01)
     assert GPUS["p100-16gb"].h2d_bandwidth == 40e9
+
+
+def test_simulate_plan_flag_prints_the_per_class_plan(capsys):
+    out = run(capsys, "simulate", "--batch", "32", "--budget", "1500MiB", "--window", "256MiB",
+              "--gpu", "v100-16gb", "--plan", "--recompute")
+    assert "keep" in out and "recomp" in out and "native_batch_norm" in out
+    assert "predicted step" in out and "bottleneck" in out
+    d = json.loads(run(capsys, "simulate", "--batch", "32", "--budget", "1500MiB", "--window",
+                       "256MiB", "--plan", "--json"))
+    assert d["plan"]["bottleneck"] in ("compute", "H2D", "D2H")
+    assert sum(c["variables"] for c in d["plan"]["classes"].values()) > 100

@@ -61,6 +61,14 @@ def add_parser(sub):
                    help="the window scheduler's window (default: tuned by simulation)")
     s.add_argument("--chunk-size", type=size_argument, metavar="SIZE",
                    help="the virtual allocator's chunk (default 2MiB; the paper used 40MB)")
+    s.add_argument("--recompute", action="store_true",
+                   help="consider recomputing cheap variables instead of swapping them")
+    s.add_argument("--compress", choices=("fp16", "bf16"), default=None,
+                   help="swap float32 activations at half their bytes (lossy; opt-in)")
+    s.add_argument("--plan", action="store_true",
+                   help="print per variable class what the planner chose (keep, swap, drop, "
+                        "recompute, compress), the bytes each moves, the predicted step time "
+                        "and its bottleneck")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--plot", metavar="FILE.png", help="write a timeline PNG")
 
@@ -134,7 +142,8 @@ def _simulate(args):
     # the paper's reference: in-core images/s at the in-core limit (relative_speed divides by it)
     ref = _reference(args.model, gpu)
     p = plan(seq, gpu, args.scheduler, args.allocator, budget=args.budget, window=args.window,
-             chunk_size=args.chunk_size, reference=ref)
+             chunk_size=args.chunk_size, reference=ref, recompute=args.recompute,
+             compress=args.compress)
     if p.feasible:
         r = simulate(seq, p.schedule, gpu=gpu, allocator=args.allocator,
                      chunk_size=args.chunk_size, timeline=bool(args.plot), reference=ref)
@@ -146,6 +155,10 @@ def _simulate(args):
         d = r.to_dict()
         d["planned"] = {"params": p.params, "tried": p.tried, "feasible": p.feasible,
                         "reason": p.reason}
+        if args.plan and p.feasible:
+            from vmalloc.offload.plan_report import plan_table
+
+            d["plan"] = plan_table(seq, p.schedule, r)
         json.dump(d, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
@@ -154,6 +167,10 @@ def _simulate(args):
             print("parameters: " + ", ".join(f"{k}={v}" for k, v in p.params.items()))
         if r.out_of_memory:
             print(f"out of memory: {r.oom_message}")
+        if args.plan and p.feasible:
+            from vmalloc.offload.plan_report import format_plan, plan_table
+
+            print(format_plan(plan_table(seq, p.schedule, r)))
     if args.plot:
         if r.timeline is None:
             raise OffloadCliError("nothing to plot: the simulation ran out of memory")
