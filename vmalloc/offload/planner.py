@@ -325,7 +325,8 @@ _REFERENCES = {}    # (model name, GPU, allocator) -> in_core_reference()
 
 
 def max_batch(model, gpu="v100-16gb", scheduler="window", allocator="virtual",
-              min_relative_speed=0.55, reference=None, start=16, resolution=0.02):
+              min_relative_speed=0.55, reference=None, start=16, resolution=0.02,
+              recompute=False, compress=None):
     """The largest batch that ``scheduler`` (its parameters planned by :func:`plan`) trains on
     ``gpu`` with ``allocator`` without running out of memory, at ``min_relative_speed`` or
     more of ``reference`` images/s (default: the in-core speed at the in-core limit, as the
@@ -345,7 +346,8 @@ def max_batch(model, gpu="v100-16gb", scheduler="window", allocator="virtual",
     ref = (limit, speed) if scheduler != "none" and min_relative_speed else None
 
     def ok(b):
-        p = plan(fn(b), gpu, scheduler, allocator, reference=ref)
+        p = plan(fn(b), gpu, scheduler, allocator, reference=ref, recompute=recompute,
+                 compress=compress)
         plans[b] = p
         if not p.feasible:
             return False

@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 from vmalloc.errors import InvalidArgumentError
-from vmalloc.offload.sequence import FunctionSequence
+from vmalloc.offload.sequence import Function, FunctionSequence, Variable
 
 __all__ = ["Recompute", "recompute_candidates", "with_recompute", "compressible",
            "COMPRESSIONS", "MIN_GAP"]
@@ -100,13 +100,17 @@ def recompute_candidates(seq, gpu, ratio=1.0, compute_bound=False) -> List[int]:
     """The transient variables worth recomputing on ``gpu`` (see the module docstring), largest
     saving first."""
     from vmalloc.offload.gpus import get_gpu
-    from vmalloc.offload.simulator import function_seconds
 
     gpu = get_gpu(gpu)
     fns = seq.functions
     var = seq.variables
     uses = seq.uses()
-    secs = function_seconds(seq, gpu)
+
+    def secs(c):     # the simulator's model time (function_seconds), for chain members only
+        f = fns[c]
+        if f.seconds is not None:
+            return f.seconds
+        return gpu.compute_seconds(f.flops, sum(var[x].nbytes for x in f.uses))
     ridge = gpu.peak_flops * gpu.compute_efficiency / gpu.hbm_bandwidth   # FLOP per byte
     link = min(gpu.h2d_bandwidth, gpu.d2h_bandwidth)
     writers: Dict[int, List[int]] = {}
@@ -114,7 +118,10 @@ def recompute_candidates(seq, gpu, ratio=1.0, compute_bound=False) -> List[int]:
         for v in f.outputs:
             writers.setdefault(v, []).append(f.index)
     chosen = []
-    for v, (chain, a, b) in _chains(seq).items():
+    chains = _chains(seq)
+    # reused by with_recompute while the sequence is unchanged (sequences only grow)
+    seq._recompute_chains = (len(seq.functions), len(seq.variables), chains)
+    for v, (chain, a, b) in chains.items():
         nbytes = var[v].nbytes
         if nbytes <= 0:
             continue
@@ -126,7 +133,7 @@ def recompute_candidates(seq, gpu, ratio=1.0, compute_bound=False) -> List[int]:
             if not compute_bound and (f.flops or 0.0) / touched > ridge:
                 ok = False
                 break
-            cost += secs[c]
+            cost += secs(c)
             for x in f.inputs:
                 if x == v:
                     continue
@@ -163,7 +170,11 @@ def recompute_candidates(seq, gpu, ratio=1.0, compute_bound=False) -> List[int]:
 def with_recompute(seq, variables) -> Recompute:
     """``seq`` expanded so that each variable of ``variables`` (see :func:`recompute_candidates`)
     is recomputed before its first read after its long gap instead of being kept or swapped."""
-    chains = _chains(seq)
+    cached = getattr(seq, "_recompute_chains", None)
+    if cached is not None and cached[:2] == (len(seq.functions), len(seq.variables)):
+        chains = cached[2]
+    else:
+        chains = _chains(seq)
     todo = {}
     for v in variables:
         if v not in chains:
@@ -171,37 +182,44 @@ def with_recompute(seq, variables) -> Recompute:
         chain, a, b = chains[v]
         todo.setdefault(b, []).append((v, chain))
     out = FunctionSequence(seq.name, seq.batch, seq.meta)
-    out.variables = list(seq.variables)
+    variables = out.variables = list(seq.variables)
+    functions = out.functions
+    # built directly (the sequence's add_* would re-validate ids the original already holds)
+
+    def add_var(like, name):
+        vid = len(variables)
+        variables.append(Variable(vid, like.nbytes, False, name, like.per_sample_bytes))
+        return vid
+
+    def add_fn(ins, outs, g, name):
+        k = len(functions)
+        functions.append(Function(k, name, tuple(ins), tuple(outs), g.flops, g.seconds,
+                                  g.per_sample_flops))
+        return k
+
     fns = seq.functions
     rename: Dict[int, int] = {}           # original v -> clone, active from its recompute on
     origin: Dict[int, int] = {}
     clones: Dict[int, int] = {}
     index: List[int] = []
     for i, f in enumerate(fns):
-        # chains in production order: one may read a variable another re-creates here
         for v, chain in sorted(todo.get(i, ()), key=lambda t: t[1][0]):
-            w = out.add_variable(seq.variables[v].nbytes, name=seq.variables[v].name + "'",
-                                 per_sample_bytes=seq.variables[v].per_sample_bytes)
+            # chains in production order: one may read a variable another re-creates here
+            w = add_var(seq.variables[v], seq.variables[v].name + "'")
             clones[w] = v
             for c in chain:
                 g = fns[c]
-                outs = []
-                for x in g.outputs:
-                    if x == v:
-                        outs.append(w)
-                    else:                 # another output of the producer: scratch
-                        outs.append(out.add_variable(seq.variables[x].nbytes,
-                                                     name=seq.variables[x].name + "~"))
+                outs = [w if x == v else add_var(seq.variables[x], seq.variables[x].name + "~")
+                        for x in g.outputs]   # the producer's other outputs: scratch
                 ins = [w if x == v else rename.get(x, x) for x in g.inputs]
-                k = out.add_function(ins, outs, flops=g.flops, seconds=g.seconds,
-                                     name="recompute:" + g.name,
-                                     per_sample_flops=g.per_sample_flops)
-                origin[k] = c
+                origin[add_fn(ins, outs, g, "recompute:" + g.name)] = c
             rename[v] = w
-        index.append(out.add_function([rename.get(x, x) for x in f.inputs],
-                                      [rename.get(x, x) for x in f.outputs],
-                                      flops=f.flops, seconds=f.seconds, name=f.name,
-                                      per_sample_flops=f.per_sample_flops))
+        if rename:
+            index.append(add_fn([rename.get(x, x) for x in f.inputs],
+                                [rename.get(x, x) for x in f.outputs], f, f.name))
+        else:
+            index.append(add_fn(f.inputs, f.outputs, f, f.name))
+    out._uses = None
     return Recompute(out, origin, clones, sorted(set(variables)), index)
 
 
