@@ -201,7 +201,9 @@ _STATE_NAMES = ("absent", "on_host", "swapping_in", "resident", "swapping_out")
 
 def _check(sched, seq, budget):
     if sched.recompute is not None:
-        seq = _check_recompute(sched, seq)
+        from vmalloc.offload.recompute import check_recompute
+
+        seq = check_recompute(sched, seq)
     nvar = len(seq.variables)
     nfun = len(seq.functions)
     variables = seq.variables
@@ -430,44 +432,3 @@ def _check(sched, seq, budget):
     sched.planned_peak = peak
     return peak
 
-
-def _check_recompute(sched, seq):
-    """The recompute rules on top of the ordinary ones (which then run on the expanded
-    sequence): the expanded sequence is ``seq`` with functions inserted; each inserted function
-    re-runs its original with the same inputs (a clone standing for the variable it re-creates),
-    and none of those inputs was written between the original and the re-run, so the recompute
-    reproduces the same bits. Returns the expanded sequence."""
-    rc = sched.recompute
-    ex = rc.sequence
-    fns = seq.functions
-    if len(rc.index) != len(fns):
-        raise ScheduleError(f"the recompute plan maps {len(rc.index)} functions; the sequence "
-                            f"has {len(fns)}")
-    for i, k in enumerate(rc.index):
-        g = ex.functions[k]
-        if g.name != fns[i].name:
-            raise ScheduleError(f"function {i} ({fns[i].name}) is {g.name} in the expanded "
-                                "sequence", function=i)
-    last_write = {}
-    at = {}                  # expanded index -> position of each write, per variable
-    for k, g in enumerate(ex.functions):
-        for x in g.outputs:
-            last_write.setdefault(x, []).append(k)
-        at[k] = g
-    clones = rc.clones
-    for k, o in rc.origin.items():
-        g = ex.functions[k]
-        orig = fns[o]
-        back = tuple(clones.get(x, x) for x in g.inputs)
-        if back != orig.inputs:
-            raise ScheduleError(f"recompute of function {o} ({orig.name}) reads other "
-                                "variables than the original", function=None)
-        ko = rc.index[o]
-        for x in g.inputs:
-            if x in clones:
-                continue     # the variable being re-created (in place) or an earlier clone
-            if any(ko < w < k for w in last_write.get(x, ())):
-                raise ScheduleError(f"recompute of function {o} ({orig.name}): its input "
-                                    f"{ex.variables[x].name} (v{x}) was written since the "
-                                    "original ran: the recompute would differ", function=None)
-    return ex
