@@ -1,15 +1,23 @@
 """Pick a scheduler's parameters, and the largest batch, by simulation.
 
-:func:`plan` searches a scheduler's parameters on a coarse grid and refines around the best,
-simulating each candidate with :func:`~vmalloc.offload.simulate` (a real allocator, so a plan
-that fragments the caching allocator out of memory is rejected), and keeps the fastest that
-does not run out of memory:
+:func:`plan` searches a scheduler's parameters continuously, simulating each candidate with
+:func:`~vmalloc.offload.simulate` (a real allocator, so a plan that fragments the caching
+allocator out of memory is rejected), and keeps the fastest that does not run out of memory:
 
-- ``window``: the budget on a grid of fractions of the GPU's memory (0.6 ... 0.95; or the
-  ``budget`` given) times window sizes 256 MiB / 1 GiB / 4 GiB, then the best window halved and
-  doubled and the best budget moved by 0.05 of the memory;
-- ``lms``: ``swapout_threshold`` in 2, 8, 32, 128 times ``swapin_ahead`` in 1, 4, 16;
+- ``window``: a 3 x 3 seed grid (budget 0.6 / 0.75 / 0.9 of the GPU's memory, or the ``budget``
+  given, times windows 256 MiB / 1 GiB / 4 GiB), then golden-section search on the budget
+  (``BUDGET_RANGE``, to ``BUDGET_TOL`` of the memory), on log2 of the window (``WINDOW_RANGE``,
+  to ``WINDOW_TOL``), and on the budget again. Speed rises with the budget up to the point
+  where the plan runs out of memory and drops to nothing: golden section handles that cliff.
+  Plans drop what the host already holds (``drop=True``).
+- ``lms``: ``swapout_threshold`` in 2, 8, 32, 128 times ``swapin_ahead`` in 1, 4, 16, then the
+  same golden-section refinement of each integer on a log scale: the baseline searched as
+  finely as the window.
 - ``vdnn`` and ``none``: nothing to tune (one simulation).
+
+``recompute=True`` repeats the search without recompute, with memory-bound recompute and with
+convolutions too, and keeps the fastest (:func:`schedule_with_choices`); ``compress="fp16"``
+swaps float32 activations at half their bytes (lossy, opt-in).
 
 :func:`max_batch` is AccUDNN's tuner done by simulation: the largest batch that plans without
 running out of memory at no less than ``min_relative_speed`` of the in-core speed (doubling,
@@ -29,7 +37,8 @@ from vmalloc.offload.schedulers import SCHEDULERS, make_scheduler
 from vmalloc.offload.simulator import simulate
 from vmalloc.sizes import parse_size
 
-__all__ = ["plan", "Plan", "max_batch", "BUDGET_FRACTIONS", "WINDOWS", "in_core_reference"]
+__all__ = ["plan", "Plan", "max_batch", "BUDGET_FRACTIONS", "WINDOWS", "in_core_reference",
+           "schedule_with_choices", "golden_max"]
 
 MiB = 1 << 20
 GiB = 1 << 30
