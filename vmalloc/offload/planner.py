@@ -220,6 +220,11 @@ def plan(seq, gpu="v100-16gb", scheduler="window", allocator="virtual", budget=N
             for b in budgets:
                 for w in windows:
                     evaluate({"window": w, "budget": b})
+            if best[0] is None and budget is None:
+                # nothing fits the grid's budgets: a large function may still fit nearly the
+                # whole device
+                for w in windows:
+                    evaluate({"window": w, "budget": int(BUDGET_RANGE[1] * mem)})
             if best[0] is not None:
                 # continuous refinement, one coordinate at a time: the budget (fraction of the
                 # memory, to BUDGET_TOL) and the window (log2 bytes, to WINDOW_TOL)
