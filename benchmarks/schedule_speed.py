@@ -58,6 +58,16 @@ def run(seq, check):
             continue
         if check:
             timed("  check", s.check, seq, budget)
+    # recompute considered: candidates (link vs compute time per variable), the expanded
+    # sequence, its window schedule and the swap-only one it must not move more bytes than
+    from vmalloc.offload.planner import schedule_with_choices
+    params = {"window": peak // 8, "budget": peak // 4, "drop": True}
+    try:
+        s = timed("window + drop + recompute considered", schedule_with_choices, seq, "window",
+                  params, "v100-16gb", "memory")
+        print(f"{'':40s} recomputed functions {s.recomputed_functions()}")
+    except Exception as e:  # noqa: BLE001
+        print(f"{'window + recompute':40s} {type(e).__name__}: {e}")
 
 
 def main():

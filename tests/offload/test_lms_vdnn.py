@@ -41,7 +41,7 @@ def test_lms_two_layer():
     ]
     assert end == []
     assert sched.initial_resident == {1, 2}
-    assert sched.params == {"swapout_threshold": 2, "swapin_ahead": 1}
+    assert sched.params == {"swapout_threshold": 2, "swapin_ahead": 1, "drop": False}
     assert sched.check(seq) == 460
 
 

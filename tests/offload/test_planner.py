@@ -46,7 +46,7 @@ def test_window_plan_is_feasible_and_beats_nothing_fitting():
 def test_plan_fixed_budget_and_errors():
     seq = chain(4)
     p = plan(seq, "v100-16gb", "window", budget="8GiB", window="64MiB")
-    assert p.feasible and p.params == {"window": 64 * MiB, "budget": 8 << 30}
+    assert p.feasible and p.params == {"window": 64 * MiB, "budget": 8 << 30, "drop": True}
     assert plan(seq, "v100-16gb", "none").feasible
     assert plan(seq, "v100-16gb", "vdnn").feasible
     with pytest.raises(InvalidArgumentError, match="scheduler"):
@@ -67,3 +67,34 @@ def test_max_batch_in_core_and_window():
     assert simulate(chain(b_in + 1), None, gpu=g, allocator="caching").out_of_memory
     b_win, p_win = max_batch(chain, g, "window", "virtual", min_relative_speed=0.0, start=4)
     assert b_win > b_in and p_win.feasible
+
+
+def test_golden_section_finds_the_edge_of_a_cliff():
+    from vmalloc.offload.planner import golden_max
+    calls = []
+
+    def f(x):                      # rises to 0.83, then out of memory (None)
+        calls.append(x)
+        return None if x > 0.83 else x
+    best = golden_max(f, 0.5, 0.995, 0.005)
+    assert 0.82 <= best <= 0.83
+    assert len(calls) <= 14        # far fewer than a grid of the same resolution (99 points)
+    assert golden_max(lambda k: -(k - 37) ** 2, 1, 200, 0.5, integer=True) == 37
+
+
+def test_plan_searches_between_grid_points():
+    from vmalloc.offload.gpus import get_gpu
+    from vmalloc.offload.planner import BUDGET_FRACTIONS, WINDOWS
+    from vmalloc.offload.schedulers import make_scheduler
+    seq = chain(24)
+    g = get_gpu("v100-16gb").with_(memory_bytes=1 << 30)
+    p = plan(seq, g, "window", "virtual")
+    grid = []
+    for f in BUDGET_FRACTIONS:
+        for w in WINDOWS:
+            s = make_scheduler("window", window=w, budget=int(f * (1 << 30)), drop=True)
+            r = simulate(seq, s.schedule(seq), gpu=g)
+            if not r.out_of_memory:
+                grid.append(r.images_per_second)
+    assert p.tried > len(grid)
+    assert p.result.images_per_second >= max(grid)

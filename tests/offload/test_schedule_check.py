@@ -152,6 +152,9 @@ def test_redundant_swap_in():
     s.steps[2].wait_swap_in.append(p)
     s.steps[2].swap_out.append(p)
     s.end_wait_swap_out.append(p)
+    # p is only read: its swap-outs copy what the host already holds (a recopy)
+    fails(seq, s, 1, "recopy: p (v0) is swapped out although its host copy is still valid")
+    s.params["drop"] = False        # a scheduler asked not to drop may recopy
     assert s.check(seq) == 70
     # a swap-in no function reads before the swap-out
     s.steps[1].wait_swap_out.append(p)
@@ -222,3 +225,36 @@ def test_wrong_length_and_bad_ids():
     with pytest.raises(ScheduleError):
         sched([{}]).check(seq)
     fails(seq, sched([{"allocate": [99]}, {}, {}]), 0, "allocate: 99 is not a variable id")
+
+
+def test_drop_needs_a_valid_host_copy():
+    """No waste: a read-only variable goes back to the host by a drop (no copy); a variable
+    written since its last copy cannot be dropped, and nothing reads a dropped variable."""
+    seq, p, a, b = seq3()
+    s = in_core(seq)
+    s.initial_resident = frozenset()
+    s.steps[0].swap_in.append(p)
+    s.steps[0].wait_swap_in.append(p)
+    s.steps[1].drop.append(p)                   # read at f0: the host copy is still valid
+    s.steps[2].swap_in.append(p)
+    s.steps[2].wait_swap_in.append(p)
+    s.end_drop.append(p)
+    assert s.check(seq) == 60       # p's 10 bytes are gone while f1 holds a and b
+    assert s.dropped() == [p, p] and s.swap_out_bytes(seq) == 0
+    # nothing reads a dropped variable
+    bad = in_core(seq)
+    bad.initial_resident = frozenset()
+    bad.steps[0].swap_in.append(p)
+    bad.steps[0].wait_swap_in.append(p)
+    bad.steps[1].drop.append(p)
+    bad.end_drop.append(p)
+    fails(seq, bad, 2, "reads p (v0), which is on_host, not resident")
+    # a written variable has no valid host copy: it must be swapped out
+    seq2 = FunctionSequence()
+    x = seq2.add_variable(10, name="x")
+    seq2.add_function(outputs=[x], name="w")
+    seq2.add_function(inputs=[x], name="r1")
+    seq2.add_function(inputs=[x], name="r2")
+    s2 = in_core(seq2)
+    s2.steps[1].drop.append(x)
+    fails(seq2, s2, 1, "drop of x (v0), whose host copy is not valid")

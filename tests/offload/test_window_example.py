@@ -64,7 +64,7 @@ def test_worked_example_every_step():
     ]
     assert end == ["w2", "w1"]
     assert sched.initial_resident == frozenset()
-    assert sched.params == {"window": 400, "persistent": "swap"}
+    assert sched.params == {"window": 400, "persistent": "swap", "drop": False}
     assert sched.check(seq, 310) == 310
     name = lambda v: seq.variables[v].name  # noqa: E731
     events = [(e[0], e[1], name(e[2]), *e[3:]) if e[0] in ("wait", "cancel") else e

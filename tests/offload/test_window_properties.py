@@ -35,13 +35,15 @@ def fits(seq, budget, mode):
 
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FEWER = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @SETTINGS
 @given(sequences(), st.integers(1, 12000), st.integers(0, 12000),
-       st.sampled_from(["swap", "resident"]))
-def test_window_passes_check_or_raises_only_when_a_function_cannot_fit(seq, window, budget, mode):
-    sched = WindowScheduler(window, budget, persistent=mode)
+       st.sampled_from(["swap", "resident"]), st.booleans())
+def test_window_passes_check_or_raises_only_when_a_function_cannot_fit(seq, window, budget, mode,
+                                                                        drop):
+    sched = WindowScheduler(window, budget, persistent=mode, drop=drop)
     if not fits(seq, budget, mode):
         with pytest.raises(ScheduleError):
             sched.schedule(seq)
@@ -90,3 +92,32 @@ def test_vdnn_passes_check(seq):
     s = VDNNScheduler().schedule(seq)
     s.check(seq)
     assert all(not seq.variables[v].persistent for v in s.swapped_out())
+
+
+@FEWER
+@given(sequences(), st.integers(1, 12000), st.integers(0, 12000),
+       st.sampled_from(["swap", "resident"]))
+def test_window_drop_moves_no_more_and_stays_in_budget(seq, window, budget, mode):
+    """Dropping a variable whose host copy is valid replaces a recopy: the same swap-ins, no
+    more bytes out, the same budget; and with drops on, no swap-out copies what the host
+    already holds (Schedule.check's recopy rule)."""
+    if not fits(seq, budget, mode):
+        return
+    plain = WindowScheduler(window, budget, persistent=mode).schedule(seq)
+    dropping = WindowScheduler(window, budget, persistent=mode, drop=True).schedule(seq)
+    assert dropping.check(seq, budget) <= budget
+    assert dropping.swapped_in() == plain.swapped_in()
+    assert dropping.swap_out_bytes(seq) <= plain.swap_out_bytes(seq)
+    assert (dropping.swap_out_bytes(seq) + sum(seq.nbytes(v) for v in dropping.dropped())
+            == plain.swap_out_bytes(seq))
+
+
+@FEWER
+@given(sequences(), st.integers(1, 6), st.integers(0, 4))
+def test_lms_drop_passes_check_and_moves_no_more(seq, threshold, ahead):
+    plain = LMSScheduler(swapout_threshold=threshold, swapin_ahead=ahead).schedule(seq)
+    dropping = LMSScheduler(swapout_threshold=threshold, swapin_ahead=ahead,
+                            drop=True).schedule(seq)
+    dropping.check(seq)
+    assert dropping.swapped_in() == plain.swapped_in()
+    assert dropping.swap_out_bytes(seq) <= plain.swap_out_bytes(seq)

@@ -75,6 +75,14 @@ def add_parser(sub):
     s.add_argument("--chunk-size", type=positive_size_argument, metavar="SIZE",
                    help="the virtual allocator's chunk, a multiple of the 2MiB granularity "
                         "(default 2MiB; the paper used 40MB, about 38MiB)")
+    s.add_argument("--recompute", action="store_true",
+                   help="consider recomputing cheap variables instead of swapping them")
+    s.add_argument("--compress", choices=("fp16", "bf16"), default=None,
+                   help="swap float32 activations at half their bytes (lossy; opt-in)")
+    s.add_argument("--plan", action="store_true",
+                   help="print per variable class what the planner chose (keep, swap, drop, "
+                        "recompute, compress), the bytes each moves, the predicted step time "
+                        "and its bottleneck")
     s.add_argument("--json", action="store_true",
                    help="print one JSON object (sizes in bytes)")
     s.add_argument("--plot", metavar="FILE.png", help="write a timeline PNG")
@@ -148,6 +156,17 @@ def _gpu(name):
     return GPUS[name.lower()]
 
 
+def _reference(model, gpu):
+    """(in-core limit batch, its images/s) of ``model`` on ``gpu``, or None when nothing runs
+    in core."""
+    from vmalloc.offload.models import MODELS
+    from vmalloc.offload.planner import in_core_reference
+
+    key = model if model in MODELS else (lambda b: _sequence(model, b))
+    limit, ips = in_core_reference(key, gpu)
+    return (limit, ips) if limit else None
+
+
 def _simulate(args):
     from vmalloc.offload.planner import plan
     from vmalloc.offload.simulator import simulate
@@ -163,11 +182,14 @@ def _simulate(args):
                                   f"{gpu.name} ({format_size(gpu.memory_bytes)})")
     check_chunk_size(args.chunk_size)
     seq = _sequence(args.model, args.batch)
+    # the paper's reference: in-core images/s at the in-core limit (relative_speed divides by it)
+    ref = _reference(args.model, gpu)
     p = plan(seq, gpu, args.scheduler, args.allocator, budget=args.budget, window=args.window,
-             chunk_size=args.chunk_size)
+             chunk_size=args.chunk_size, reference=ref, recompute=args.recompute,
+             compress=args.compress)
     if p.feasible:
         r = simulate(seq, p.schedule, gpu=gpu, allocator=args.allocator,
-                     chunk_size=args.chunk_size, timeline=bool(args.plot))
+                     chunk_size=args.chunk_size, timeline=bool(args.plot), reference=ref)
     else:
         r = p.result
         if r is None:
@@ -176,6 +198,10 @@ def _simulate(args):
         d = r.to_dict()
         d["planned"] = {"params": p.params, "tried": p.tried, "feasible": p.feasible,
                         "reason": p.reason}
+        if args.plan and p.feasible:
+            from vmalloc.offload.plan_report import plan_table
+
+            d["plan"] = plan_table(seq, p.schedule, r)
         json.dump(d, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
@@ -185,6 +211,10 @@ def _simulate(args):
                                              for k, v in p.params.items()))
         if r.out_of_memory:
             print(f"out of memory: {r.oom_message}")
+        if args.plan and p.feasible:
+            from vmalloc.offload.plan_report import format_plan, plan_table
+
+            print(format_plan(plan_table(seq, p.schedule, r)))
     if args.plot:
         if r.timeline is None:
             raise OffloadCliError("nothing to plot: the simulation ran out of memory")
@@ -235,15 +265,17 @@ def table(model="resnet50", gpu="v100-16gb", batches=None, progress=False):
         inc = simulate(seq, None, gpu=gpu, allocator="caching")
         row = {"batch": b,
                "in_core": None if inc.out_of_memory else inc.images_per_second}
+        ref = (limit, limit_ips) if limit else None
         for sch, alloc in configs:
-            p = plan(seq, gpu, sch, alloc)
+            p = plan(seq, gpu, sch, alloc, reference=ref)
             key = f"{sch}+{alloc}"
             if p.feasible:
                 r = p.result
                 row[key] = r.images_per_second
                 row[key + ":params"] = p.params
-                row[key + ":relative"] = (r.images_per_second / limit_ips if limit_ips
-                                          else None)
+                # the same figure as simulate's relative_speed (the paper's ratio)
+                row[key + ":relative"] = r.relative_speed
+                row[key + ":speed_vs_compute_only"] = r.speed_vs_compute_only
                 row[key + ":bound_ratio"] = r.bound_ratio
                 row[key + ":serial_bound_ratio"] = r.serial_bound_ratio
             else:
@@ -258,7 +290,10 @@ def table(model="resnet50", gpu="v100-16gb", batches=None, progress=False):
         rows.append(row)
     if progress:
         print(file=sys.stderr)
-    return {"model": model, "gpu": gpu.name, "in_core_limit": limit,
+    from vmalloc.offload.simulator import link_description
+
+    return {"model": model, "gpu": gpu.name, "link": link_description(gpu),
+            "in_core_limit": limit,
             "in_core_limit_images_per_second": limit_ips, "rows": rows}
 
 
@@ -285,7 +320,8 @@ def _table(args):
         return 0
     paper = any("paper_schedule_va" in r for r in t["rows"])
     print(f"{t['model']} on {t['gpu']}: images/s (OOM: out of memory); in-core limit batch "
-          f"{t['in_core_limit']} at {t['in_core_limit_images_per_second'] or 0:.0f} images/s")
+          f"{t['in_core_limit']} at {t['in_core_limit_images_per_second'] or 0:.0f} images/s; "
+          f"link {t['link']}")
     head = (f"{'batch':>6} {'in-core':>8} {'win+cach':>8} {'win+virt':>8} {'rel':>5} "
             f"{'lms+virt':>8} {'vdnn+vir':>8}")
     if paper:

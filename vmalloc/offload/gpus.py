@@ -25,7 +25,7 @@ from typing import Dict, Tuple
 
 from vmalloc.errors import InvalidArgumentError
 
-__all__ = ["GPU", "GPUS", "get_gpu", "calibrate", "PAPER_IN_CORE"]
+__all__ = ["GPU", "GPUS", "get_gpu", "calibrate", "PAPER_IN_CORE", "LE_IN_CORE"]
 
 GB = 1e9
 
@@ -133,6 +133,39 @@ _A100_40 = GPU(
     ),
 )
 
+# P100 (Le et al.'s machine), calibrated ONLY on Le et al.'s in-core row (235 / 255 / 258
+# images/s for ResNet-50 at batch 64 / 128 / 190, TensorFlow FP32; numbers.md "Older GPUs"):
+# calibrate(lambda b: model_sequence("resnet50", b), {64: 235, 128: 255, 190: 258},
+# peak_flops=10.6e12, hbm_bandwidth=732e9) -> efficiency 0.765, overhead 37.97 us; the model
+# then gives 236.8 / 252.9 / 258.7 images/s (errors +0.76 %, -0.80 %, +0.27 %). No LMS figure
+# was used: simulated LMS is compared with Le et al.'s published LMS rows in
+# docs/benchmarks.md.
+P100_EFFICIENCY = 0.765
+P100_OVERHEAD = 37.97e-6
+#: Le et al.'s in-core row, ResNet-50 on P100 16 GB: batch -> images/s.
+LE_IN_CORE = {64: 235.0, 128: 255.0, 190: 258.0}
+
+_P100 = GPU(
+    name="p100-16gb",
+    memory_bytes=16 * 2**30,
+    peak_flops=10.6e12,
+    compute_efficiency=P100_EFFICIENCY,
+    hbm_bandwidth=732 * GB,
+    h2d_bandwidth=40 * GB,
+    d2h_bandwidth=40 * GB,
+    bidirectional_bandwidth=40 * GB,    # NVLink: each direction has its own lanes
+    function_overhead_seconds=P100_OVERHEAD,
+    link="NVLink 1 to POWER8 (2 links)",
+    precision="FP32",
+    sources=(
+        "P100 SXM2 16 GB: FP32 10.6 TFLOP/s, HBM2 732 GB/s (NVIDIA datasheet, numbers.md)",
+        "link: NVLink 1.0, 20 GB/s per direction per link, two links to the POWER8 CPU "
+        "(IBM Minsky): 40 GB/s per direction, the nominal figure (no measurement found)",
+        "efficiency and per-function overhead: fitted ONLY to Le et al.'s in-core row "
+        "235/255/258 img/s at batch 64/128/190 (vmalloc.offload.gpus.calibrate)",
+    ),
+)
+
 GPUS: Dict[str, GPU] = {
     "v100-16gb": _V100,
     # The same V100 in a 4-GPU POWER9 node: 2 GPUs per CPU, 3 NVLink bricks each. The link is
@@ -150,6 +183,7 @@ GPUS: Dict[str, GPU] = {
             "link 68 GB/s per direction: POWER9 NVLink 2 measured with 2 GPUs per CPU (3 "
             "bricks) (offload.md, NextPlatform chart)",) + _V100_SOURCES[3:],
     ),
+    "p100-16gb": _P100,
     "a100-40gb": _A100_40,
     "a100-80gb": replace(  # HBM2e; otherwise the 40 GB one
         _A100_40,

@@ -17,6 +17,11 @@ schedule therefore waits for each swap-out at the latest point it must have comp
 before the same variable's swap-in is issued (``wait_swap_out`` precedes ``swap_in`` in a step).
 Planned bytes are thus an upper bound; a simulator may release a completed swap-out earlier.
 
+**Drop** (``drop=True``; the planner's default, off for the runtimes until they execute drops):
+a variable whose host copy is still valid -- it came back by a swap-in and nothing wrote it
+since -- is not copied out again at its next gap: it is dropped before ``f_(a+1)`` (no copy;
+its memory goes at once) and swapped in as before.
+
 Persistent variables stay resident (LMS swaps activations); transient variables are allocated at
 their first use and freed after their last, as in-core. Gaps whose next use overwrites the
 variable without reading it are not swapped (the variable stays allocated).
@@ -47,13 +52,14 @@ class LMSScheduler:
 
     name = "lms"
 
-    def __init__(self, swapout_threshold: int = 2, swapin_ahead: int = 1):
+    def __init__(self, swapout_threshold: int = 2, swapin_ahead: int = 1, drop: bool = False):
         self.swapout_threshold = _count(swapout_threshold, "swapout_threshold", 1)
         self.swapin_ahead = _count(swapin_ahead, "swapin_ahead", 0)
+        self.drop = bool(drop)
 
     def __repr__(self):
         return (f"LMSScheduler(swapout_threshold={self.swapout_threshold}, "
-                f"swapin_ahead={self.swapin_ahead})")
+                f"swapin_ahead={self.swapin_ahead}, drop={self.drop})")
 
     def schedule(self, seq) -> Schedule:
         threshold, ahead = self.swapout_threshold, self.swapin_ahead
@@ -65,15 +71,22 @@ class LMSScheduler:
             u = uses[v]
             if var.persistent:
                 continue
+            valid = False       # the host holds v's current content
             for a, b in zip(u, u[1:]):
+                if v in functions[a].outputs:
+                    valid = False
                 if b - a >= threshold and v in functions[b].inputs:
                     s = max(a + 1, b - ahead)
-                    steps[a].swap_out.append(v)
-                    steps[s].wait_swap_out.append(v)
+                    if valid and self.drop:
+                        steps[a + 1].drop.append(v)
+                    else:
+                        steps[a].swap_out.append(v)
+                        steps[s].wait_swap_out.append(v)
                     steps[s].swap_in.append(v)
                     steps[b].wait_swap_in.append(v)
+                    valid = True
         return Schedule("lms", steps, params={"swapout_threshold": threshold,
-                                              "swapin_ahead": ahead},
+                                              "swapin_ahead": ahead, "drop": self.drop},
                         initial_resident=frozenset(resident))
 
     __call__ = schedule

@@ -1,15 +1,23 @@
 """Pick a scheduler's parameters, and the largest batch, by simulation.
 
-:func:`plan` searches a scheduler's parameters on a coarse grid and refines around the best,
-simulating each candidate with :func:`~vmalloc.offload.simulate` (a real allocator, so a plan
-that fragments the caching allocator out of memory is rejected), and keeps the fastest that
-does not run out of memory:
+:func:`plan` searches a scheduler's parameters continuously, simulating each candidate with
+:func:`~vmalloc.offload.simulate` (a real allocator, so a plan that fragments the caching
+allocator out of memory is rejected), and keeps the fastest that does not run out of memory:
 
-- ``window``: the budget on a grid of fractions of the GPU's memory (0.6 ... 0.95; or the
-  ``budget`` given) times window sizes 256 MiB / 1 GiB / 4 GiB, then the best window halved and
-  doubled and the best budget moved by 0.05 of the memory;
-- ``lms``: ``swapout_threshold`` in 2, 8, 32, 128 times ``swapin_ahead`` in 1, 4, 16;
+- ``window``: a 3 x 3 seed grid (budget 0.6 / 0.75 / 0.9 of the GPU's memory, or the ``budget``
+  given, times windows 256 MiB / 1 GiB / 4 GiB), then golden-section search on the budget
+  (``BUDGET_RANGE``, to ``BUDGET_TOL`` of the memory), on log2 of the window (``WINDOW_RANGE``,
+  to ``WINDOW_TOL``), and on the budget again. Speed rises with the budget up to the point
+  where the plan runs out of memory and drops to nothing: golden section handles that cliff.
+  Plans drop what the host already holds (``drop=True``).
+- ``lms``: ``swapout_threshold`` in 2, 8, 32, 128 times ``swapin_ahead`` in 1, 4, 16, then the
+  same golden-section refinement of each integer on a log scale: the baseline searched as
+  finely as the window.
 - ``vdnn`` and ``none``: nothing to tune (one simulation).
+
+``recompute=True`` repeats the search without recompute, with memory-bound recompute and with
+convolutions too, and keeps the fastest (:func:`schedule_with_choices`); ``compress="fp16"``
+swaps float32 activations at half their bytes (lossy, opt-in).
 
 :func:`max_batch` is AccUDNN's tuner done by simulation: the largest batch that plans without
 running out of memory at no less than ``min_relative_speed`` of the in-core speed (doubling,
@@ -18,6 +26,7 @@ then bisection).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -28,13 +37,21 @@ from vmalloc.offload.schedulers import SCHEDULERS, make_scheduler
 from vmalloc.offload.simulator import simulate
 from vmalloc.sizes import parse_size
 
-__all__ = ["plan", "Plan", "max_batch", "BUDGET_FRACTIONS", "WINDOWS", "in_core_reference"]
+__all__ = ["plan", "Plan", "max_batch", "BUDGET_FRACTIONS", "WINDOWS", "in_core_reference",
+           "schedule_with_choices", "golden_max"]
 
 MiB = 1 << 20
 GiB = 1 << 30
 BUDGET_FRACTIONS = (0.6, 0.75, 0.9)
 WINDOWS = (256 * MiB, 1 * GiB, 4 * GiB)
 LMS_GRID = [(t, a) for t in (2, 8, 32, 128) for a in (1, 4, 16)]
+#: The continuous search's ranges and tolerances: budget as a fraction of the GPU's memory,
+#: window in bytes (searched on log2), LMS's integers on log2.
+BUDGET_RANGE = (0.5, 0.995)
+BUDGET_TOL = 0.005
+WINDOW_RANGE = (64 * MiB, 16 * GiB)
+WINDOW_TOL = 0.1
+LMS_TOL = 0.15
 
 
 @dataclass
@@ -56,20 +73,101 @@ class Plan:
                 "result": None if self.result is None else self.result.to_dict()}
 
 
-def _try(seq, name, params, gpu, allocator, chunk_size):
+def schedule_with_choices(seq, name, params, gpu="v100-16gb", recompute=None, compress=None):
+    """The schedule of ``seq`` by scheduler ``name`` with ``params``, with recompute and
+    compression as choices: ``recompute`` is None, ``"memory"`` (memory-bound chains only) or
+    ``"all"`` (convolutions and matmuls too, when cheaper than moving the variable);
+    ``compress`` None, ``"fp16"`` or ``"bf16"``. A recompute plan is kept only when it moves no
+    more bytes than the swap-only schedule with the same parameters (and fits its budget);
+    else the swap-only schedule is returned. Raises :class:`ScheduleError` when even that
+    cannot be scheduled."""
+    base = make_scheduler(name, **params).schedule(seq)
+    sched = base
+    if recompute:
+        from vmalloc.offload.recompute import recompute_candidates, with_recompute
+
+        vs = recompute_candidates(seq, gpu, compute_bound=(recompute == "all"))
+        if vs:
+            rc = with_recompute(seq, vs)
+            try:
+                alt = make_scheduler(name, **params).schedule(rc.sequence)
+            except ScheduleError:
+                alt = None
+            if alt is not None:
+                alt.recompute = rc
+                if (alt.swap_out_bytes(seq) + alt.swap_in_bytes(seq)
+                        <= base.swap_out_bytes(seq) + base.swap_in_bytes(seq)):
+                    sched = alt
+    if compress:
+        from vmalloc.offload.recompute import COMPRESSIONS, compressible
+
+        if compress not in COMPRESSIONS:
+            raise InvalidArgumentError(f"unknown compression {compress!r}; choose from "
+                                       f"{', '.join(COMPRESSIONS)}")
+        sched.compressed = frozenset(compressible(sched.sequence_of(seq)))
+        sched.compression = compress
+    return sched
+
+
+def _try(seq, name, params, gpu, allocator, chunk_size, reference=None, recompute=None,
+         compress=None):
     try:
-        sched = make_scheduler(name, **params).schedule(seq)
+        sched = schedule_with_choices(seq, name, params, gpu, recompute, compress)
     except ScheduleError as e:
         return None, None, str(e)
-    r = simulate(seq, sched, gpu=gpu, allocator=allocator, chunk_size=chunk_size)
+    r = simulate(seq, sched, gpu=gpu, allocator=allocator, chunk_size=chunk_size,
+                 reference=reference)
     return sched, r, (r.oom_message if r.out_of_memory else None)
 
 
+GOLDEN = (math.sqrt(5) - 1) / 2
+
+
+def golden_max(f, lo, hi, tol, integer=False):
+    """Golden-section search of ``f`` over ``[lo, hi]`` for its maximum, to within ``tol``
+    (integers when ``integer``): f is unimodal for the planner's parameters up to the point
+    where the plan runs out of memory, where it drops to 0 (a cliff golden section handles, since
+    the lower probe then wins). Returns the best point probed."""
+    best = [None, -1.0]
+
+    def g(x):
+        if integer:
+            x = int(round(x))
+        y = f(x)
+        y = -1.0 if y is None else y
+        if y > best[1]:
+            best[0], best[1] = x, y
+        return y
+
+    a, b = float(lo), float(hi)
+    c = b - GOLDEN * (b - a)
+    d = a + GOLDEN * (b - a)
+    fc, fd = g(c), g(d)
+    while b - a > tol:
+        if fc >= fd:
+            b, d, fd = d, c, fc
+            c = b - GOLDEN * (b - a)
+            fc = g(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + GOLDEN * (b - a)
+            fd = g(d)
+    return best[0]
+
+
 def plan(seq, gpu="v100-16gb", scheduler="window", allocator="virtual", budget=None,
-         window=None, chunk_size=None) -> Plan:
+         window=None, chunk_size=None, reference=None, drop=True, recompute=False,
+         compress=None) -> Plan:
     """The fastest parameters of ``scheduler`` for ``seq`` on ``gpu`` with ``allocator`` that
-    do not run out of memory (see the module docstring for the grids). ``budget`` and
-    ``window`` (window scheduler) fix those parameters instead of searching them."""
+    do not run out of memory (see the module docstring for the search). ``budget`` and
+    ``window`` (window scheduler) fix those parameters instead of searching them.
+    ``reference`` (``(batch, images/s)`` of the in-core limit) is passed to
+    :func:`~vmalloc.offload.simulate` so that the result's ``relative_speed`` is the paper's.
+    ``drop`` (window scheduler): a variable whose host copy is still valid is dropped, not
+    swapped out again. ``recompute`` (True, or ``"memory"``/``"all"``): recompute considered per
+    variable (:mod:`~vmalloc.offload.recompute`): the search runs without it, with memory-bound
+    chains, and with convolutions too (True), and keeps the fastest. ``compress`` (``"fp16"`` or
+    ``"bf16"``, opt-in): float32 activations swapped at half their bytes."""
     gpu = get_gpu(gpu)
     if scheduler not in SCHEDULERS:
         raise InvalidArgumentError(
@@ -77,54 +175,100 @@ def plan(seq, gpu="v100-16gb", scheduler="window", allocator="virtual", budget=N
     best = [None]           # (ips, params, sched, result)
     last = [None, None]     # (result, reason) of the last failure
     tried = [0]
+    extra = {"drop": bool(drop)} if scheduler in ("window", "lms") else {}
+
+    variant = [None]
 
     def evaluate(params):
-        key = tuple(sorted(params.items()))
+        key = (variant[0],) + tuple(sorted(params.items()))
         if key in seen:
             return seen[key]
         tried[0] += 1
-        sched, r, why = _try(seq, scheduler, params, gpu, allocator, chunk_size)
+        sched, r, why = _try(seq, scheduler, {**params, **extra}, gpu, allocator, chunk_size,
+                             reference, variant[0], compress)
         ips = None
         if r is not None and not r.out_of_memory:
             ips = r.images_per_second or 0.0
             if best[0] is None or ips > best[0][0]:
-                best[0] = (ips, dict(params), sched, r)
+                chosen = dict(params)
+                if sched.recompute is not None:
+                    chosen["recompute"] = variant[0]
+                best[0] = (ips, chosen, sched, r)
         else:
             last[0], last[1] = r, why
         seen[key] = ips
         return ips
 
     seen = {}
-    if scheduler == "window":
-        mem = gpu.memory_bytes
-        if budget is not None:
-            budgets = [parse_size(budget, "budget")]
-        else:
-            budgets = [int(f * mem) for f in BUDGET_FRACTIONS]
-        windows = [parse_size(window, "window")] if window is not None else list(WINDOWS)
-        for b in budgets:
-            for w in windows:
-                evaluate({"window": w, "budget": b})
-        if best[0] is not None:
-            _, p, _, _ = best[0]
-            if window is None:
-                for w in (p["window"] // 2, p["window"] * 2):
-                    evaluate({"window": max(MiB, w), "budget": p["budget"]})
-            if budget is None:
-                _, p, _, _ = best[0]
-                for db in (-0.05, 0.05):
-                    b = int(p["budget"] + db * mem)
-                    if 0.3 * mem <= b <= 0.98 * mem:
-                        evaluate({"window": p["window"], "budget": b})
-    elif scheduler == "lms":
-        for t, a in LMS_GRID:
-            evaluate({"swapout_threshold": t, "swapin_ahead": a})
+    if recompute is True:
+        variants = [None, "memory", "all"]
+    elif recompute:
+        variants = [None, recompute]
     else:
-        evaluate({})
+        variants = [None]
+    if scheduler in ("none", "vdnn"):
+        variants = variants[:1] if scheduler == "none" else variants
+    for var_ in variants:
+        variant[0] = var_
+        if scheduler == "window":
+            mem = gpu.memory_bytes
+            if budget is not None:
+                budgets = [parse_size(budget, "budget")]
+            else:
+                budgets = [int(f * mem) for f in BUDGET_FRACTIONS]
+            windows = [parse_size(window, "window")] if window is not None else list(WINDOWS)
+            for b in budgets:
+                for w in windows:
+                    evaluate({"window": w, "budget": b})
+            if best[0] is None and budget is None:
+                # nothing fits the grid's budgets: a large function may still fit nearly the
+                # whole device
+                for w in windows:
+                    evaluate({"window": w, "budget": int(BUDGET_RANGE[1] * mem)})
+            if best[0] is not None:
+                # continuous refinement, one coordinate at a time: the budget (fraction of the
+                # memory, to BUDGET_TOL) and the window (log2 bytes, to WINDOW_TOL)
+                def by_budget(frac):
+                    return evaluate({"window": best[0][1]["window"], "budget": int(frac * mem)})
+
+                def by_window(lg):
+                    return evaluate({"window": max(MiB, int(2 ** lg)),
+                                     "budget": best[0][1]["budget"]})
+                lw = (math.log2(WINDOW_RANGE[0]), math.log2(WINDOW_RANGE[1]))
+                # budget, window, then the budget again (it depends on the window)
+                if budget is None:
+                    golden_max(by_budget, BUDGET_RANGE[0], BUDGET_RANGE[1], BUDGET_TOL)
+                if window is None:
+                    golden_max(by_window, lw[0], lw[1], WINDOW_TOL)
+                if budget is None:
+                    golden_max(by_budget, BUDGET_RANGE[0], BUDGET_RANGE[1], BUDGET_TOL)
+        elif scheduler == "lms":
+            for t, a in LMS_GRID:
+                evaluate({"swapout_threshold": t, "swapin_ahead": a})
+            if best[0] is not None:
+                # the same refinement as the window's: golden section on each integer parameter
+                n = max(2, len(seq.functions))
+
+                def by_threshold(lg):
+                    return evaluate({"swapout_threshold": max(1, int(round(2 ** lg))),
+                                     "swapin_ahead": best[0][1]["swapin_ahead"]})
+
+                def by_ahead(lg):
+                    return evaluate({"swapout_threshold": best[0][1]["swapout_threshold"],
+                                     "swapin_ahead": max(0, int(round(2 ** lg)) - 1)})
+                golden_max(by_threshold, 0.0, math.log2(n), LMS_TOL)
+                golden_max(by_ahead, 0.0, math.log2(n), LMS_TOL)
+                golden_max(by_threshold, 0.0, math.log2(n), LMS_TOL)
+        else:
+            evaluate({})
     if best[0] is None:
         return Plan(scheduler, {}, False, last[0], None, tried[0],
                     last[1] or "no feasible parameters")
     ips, params, sched, r = best[0]
+    if extra:
+        params = {**params, **extra}
+    if compress:
+        params["compress"] = compress
     return Plan(scheduler, params, True, r, sched, tried[0])
 
 
@@ -172,8 +316,11 @@ def in_core_reference(model, gpu="v100-16gb", allocator="caching"):
     """(batch, images/s): the in-core limit (the largest batch that runs with no swaps) and its
     speed, the paper's reference for "relative to in-core" (its 55 % at batch 1440 is 321
     images/s against 581 at the in-core limit 190)."""
-    fn = _seq_fn(model)
     gpu = get_gpu(gpu)
+    key = (model, gpu, allocator) if isinstance(model, str) else None
+    if key is not None and key in _REFERENCES:
+        return _REFERENCES[key]
+    fn = _seq_fn(model)
     cache = {}
 
     def ok(b):
@@ -182,13 +329,18 @@ def in_core_reference(model, gpu="v100-16gb", allocator="caching"):
         return not r.out_of_memory
 
     b = _largest(ok, resolution=0.0)
-    if b == 0:
-        return 0, None
-    return b, cache[b].images_per_second
+    out = (0, None) if b == 0 else (b, cache[b].images_per_second)
+    if key is not None:
+        _REFERENCES[key] = out
+    return out
+
+
+_REFERENCES = {}    # (model name, GPU, allocator) -> in_core_reference()
 
 
 def max_batch(model, gpu="v100-16gb", scheduler="window", allocator="virtual",
-              min_relative_speed=0.55, reference=None, start=16, resolution=0.02):
+              min_relative_speed=0.55, reference=None, start=16, resolution=0.02,
+              recompute=False, compress=None):
     """The largest batch that ``scheduler`` (its parameters planned by :func:`plan`) trains on
     ``gpu`` with ``allocator`` without running out of memory, at ``min_relative_speed`` or
     more of ``reference`` images/s (default: the in-core speed at the in-core limit, as the
@@ -205,8 +357,11 @@ def max_batch(model, gpu="v100-16gb", scheduler="window", allocator="virtual",
         start = max(start, limit)
     plans = {}
 
+    ref = (limit, speed) if scheduler != "none" and min_relative_speed else None
+
     def ok(b):
-        p = plan(fn(b), gpu, scheduler, allocator)
+        p = plan(fn(b), gpu, scheduler, allocator, reference=ref, recompute=recompute,
+                 compress=compress)
         plans[b] = p
         if not p.feasible:
             return False

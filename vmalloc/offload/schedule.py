@@ -4,6 +4,9 @@ A :class:`Schedule` has one :class:`Step` per function. Around function ``i`` th
 in this order (the runtime and the simulator both follow it):
 
 before the function
+  0. ``drop``: variables whose host copy is still valid (it came back by a swap-in, or went out
+     by a swap-out, and nothing wrote it since) release their device memory with **no copy**:
+     swapping them out again would move bytes the host already holds. They are on_host after.
   1. ``wait_swap_out``: the host waits for these swap-outs to complete; their device memory is
      released (the paper's step (b): wait for the oldest swap-outs until swap-ins fit).
   2. ``allocate``: variables whose content is not needed (first written here, or rewritten
@@ -15,6 +18,9 @@ then the function runs on the compute stream, and after it
   5. ``free``: variables never used again this iteration (or dead until rewritten) are freed.
   6. ``swap_out``: swap-outs issued on the device-to-host stream, ordered after the function
      (step (c)). Their memory stays taken until a ``wait_swap_out`` (or ``end_wait_swap_out``).
+
+``end_drop`` are dropped after ``end_wait_swap_out``'s waits (a persistent variable whose host
+copy is valid going back to the host for the next iteration).
 
 ``initial_resident`` are the persistent variables on the device when the iteration starts;
 every other persistent variable starts on the host. After the last step the host waits for
@@ -38,7 +44,7 @@ from typing import Dict, List, Optional
 
 from vmalloc.errors import VmallocError
 
-ACTIONS_BEFORE = ("wait_swap_out", "allocate", "swap_in", "wait_swap_in")
+ACTIONS_BEFORE = ("drop", "wait_swap_out", "allocate", "swap_in", "wait_swap_in")
 ACTIONS_AFTER = ("free", "swap_out")
 
 
@@ -61,10 +67,11 @@ class Step:
     wait_swap_in: List[int] = field(default_factory=list)
     free: List[int] = field(default_factory=list)
     swap_out: List[int] = field(default_factory=list)
+    drop: List[int] = field(default_factory=list)
 
     def empty(self) -> bool:
         return not (self.wait_swap_out or self.allocate or self.swap_in or self.wait_swap_in
-                    or self.free or self.swap_out)
+                    or self.free or self.swap_out or self.drop)
 
 
 @dataclass
@@ -77,6 +84,14 @@ class Schedule:
     params: Dict[str, object] = field(default_factory=dict)
     initial_resident: frozenset = frozenset()
     end_wait_swap_out: List[int] = field(default_factory=list)
+    end_drop: List[int] = field(default_factory=list)
+    #: Recompute (:class:`~vmalloc.offload.recompute.Recompute`): the steps are those of its
+    #: expanded ``sequence``, in which inserted functions re-run recorded ones (None: none).
+    recompute: Optional[object] = None
+    #: Variables (ids of the sequence scheduled) swapped in a compressed format, and which
+    #: (``"fp16"`` or ``"bf16"``: half the bytes on the link, a cast on the copy stream).
+    compressed: frozenset = frozenset()
+    compression: Optional[str] = None
     #: The most device bytes the plan holds at once by its own accounting (set by check()).
     planned_peak: Optional[int] = None
 
@@ -101,8 +116,30 @@ class Schedule:
         overwritten, and a swap-out's variable must next be used by a read (this iteration, or,
         for a persistent variable, wrapping to the next) -- a transient variable never used again
         is freed, not swapped out, and content about to be overwritten is freed.
+
+        No waste: ``drop`` needs a resident variable whose host copy is valid (swapped in or out
+        and not written since), and a swap-out of such a variable is refused as a *recopy*
+        ("drop it instead") -- unless the schedule's ``params["drop"]`` is False, which a
+        scheduler sets when it was asked not to drop (for a runtime that cannot yet).
         """
         return _check(self, seq, budget)
+
+    def dropped(self) -> List[int]:
+        """Variable ids dropped (released with no copy), one entry per drop, in order."""
+        return [v for s in self.steps for v in s.drop] + list(self.end_drop)
+
+    def sequence_of(self, seq):
+        """The sequence the steps are for: ``seq``, or the expanded one under recompute."""
+        return self.recompute.sequence if self.recompute is not None else seq
+
+    def moved_bytes(self, seq, v) -> int:
+        """Bytes one swap of variable ``v`` puts on the link (halved when compressed)."""
+        n = self.sequence_of(seq).variables[v].nbytes
+        return n // 2 if v in self.compressed else n
+
+    def recomputed_functions(self) -> int:
+        """Functions the iteration re-runs."""
+        return 0 if self.recompute is None else len(self.recompute.origin)
 
     def swapped_out(self) -> List[int]:
         """Variable ids swapped out, one entry per swap-out, in order."""
@@ -112,10 +149,11 @@ class Schedule:
         return [v for s in self.steps for v in s.swap_in]
 
     def swap_out_bytes(self, seq) -> int:
-        return sum(seq.variables[v].nbytes for v in self.swapped_out())
+        """Bytes the swap-outs put on the link (compressed ones at their compressed size)."""
+        return sum(self.moved_bytes(seq, v) for v in self.swapped_out())
 
     def swap_in_bytes(self, seq) -> int:
-        return sum(seq.variables[v].nbytes for v in self.swapped_in())
+        return sum(self.moved_bytes(seq, v) for v in self.swapped_in())
 
     def describe(self, seq=None, limit: Optional[int] = None) -> str:
         """A readable listing: one line per function with something scheduled around it."""
@@ -148,6 +186,8 @@ class Schedule:
             lines.append(f"{i:6d}: " + " ".join(parts))
         if self.end_wait_swap_out:
             lines.append(f"   end: wait_swap_out[{names(self.end_wait_swap_out)}]")
+        if self.end_drop:
+            lines.append(f"   end: drop[{names(self.end_drop)}]")
         return "\n".join(lines)
 
     def __str__(self):
@@ -160,6 +200,10 @@ _STATE_NAMES = ("absent", "on_host", "swapping_in", "resident", "swapping_out")
 
 
 def _check(sched, seq, budget):
+    if sched.recompute is not None:
+        from vmalloc.offload.recompute import check_recompute
+
+        seq = check_recompute(sched, seq)
     nvar = len(seq.variables)
     nfun = len(seq.functions)
     variables = seq.variables
@@ -193,6 +237,8 @@ def _check(sched, seq, budget):
     content = [False] * nvar    # resident memory holds the variable's data
     born = [False] * nvar       # transient variable allocated at least once
     unread_swap_in = [False] * nvar
+    host_valid = [False] * nvar     # the host holds the variable's current content
+    recopy_ok = sched.params.get("drop", True) is False
     live = 0
     for v in range(nvar):
         if persistent[v]:
@@ -202,6 +248,7 @@ def _check(sched, seq, budget):
                 live += sizes[v]
             else:
                 state[v] = _ON_HOST
+                host_valid[v] = True
     peak = live
     if budget is not None and live > budget:
         raise ScheduleError(f"initial resident variables take {live} bytes; the budget is "
@@ -234,8 +281,26 @@ def _check(sched, seq, budget):
         content[v] = False
         live -= sizes[v]
 
+    def drop(i, v):
+        nonlocal live
+        if state[v] != _RESIDENT:
+            fail(i, f"drop of {name(v)}, which is {_STATE_NAMES[state[v]]}, not resident")
+        if unread_swap_in[v]:
+            fail(i, f"redundant swap-in: {name(v)} is dropped without being read since its "
+                    "swap-in")
+        if not content[v] or not host_valid[v]:
+            fail(i, f"drop of {name(v)}, whose host copy is not valid (written since it was "
+                    "last copied): it must be swapped out")
+        state[v] = _ON_HOST
+        content[v] = False
+        live -= sizes[v]
+
     for i, step in enumerate(sched.steps):
         f = seq.functions[i]
+        # 0. drop
+        valid(i, "drop", step.drop)
+        for v in step.drop:
+            drop(i, v)
         # 1. wait_swap_out
         valid(i, "wait_swap_out", step.wait_swap_out)
         for v in step.wait_swap_out:
@@ -249,6 +314,7 @@ def _check(sched, seq, budget):
                         f"({_STATE_NAMES[st]})")
             # a transient variable born here holds outside data (e.g. the input batch)
             content[v] = not persistent[v] and not born[v]
+            host_valid[v] = False
             born[v] = True
             state[v] = _RESIDENT
             live += sizes[v]
@@ -298,6 +364,7 @@ def _check(sched, seq, budget):
                     fail(i, f"redundant swap-in: {name(v)} was swapped in but this function "
                             "overwrites it without reading it")
                 content[v] = True
+                host_valid[v] = False
         for v in f.uses:
             u = uses[v]
             k = pos[v]
@@ -314,6 +381,7 @@ def _check(sched, seq, budget):
                         "swap-in")
             state[v] = _ABSENT
             content[v] = False
+            host_valid[v] = False
             live -= sizes[v]
         # 6. swap_out
         valid(i, "swap_out", step.swap_out)
@@ -332,10 +400,17 @@ def _check(sched, seq, budget):
             if not reads:
                 fail(i, f"redundant swap-out: the next use of {name(v)} (function {j}) "
                         "overwrites it without reading (free it instead)")
+            if host_valid[v] and not recopy_ok:
+                fail(i, f"recopy: {name(v)} is swapped out although its host copy is still "
+                        "valid (nothing wrote it since it was last copied): drop it instead")
+            host_valid[v] = True
             state[v] = _SWAPPING_OUT
     valid(None, "end_wait_swap_out", sched.end_wait_swap_out)
     for v in sched.end_wait_swap_out:
         wait_out(None, v)
+    valid(None, "end_drop", sched.end_drop)
+    for v in sched.end_drop:
+        drop(None, v)
     initial = sched.initial_resident
     for v in range(nvar):
         st = state[v]
@@ -356,3 +431,4 @@ def _check(sched, seq, budget):
             fail(None, f"transient {name(v)} is still alive ({_STATE_NAMES[st]})")
     sched.planned_peak = peak
     return peak
+

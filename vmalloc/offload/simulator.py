@@ -34,7 +34,6 @@ the host may be reused by work issued later on the same stream).
 
 from __future__ import annotations
 
-import bisect
 from collections import deque
 import math
 from dataclasses import asdict, dataclass, field
@@ -44,6 +43,7 @@ import vmalloc
 from vmalloc import allocator_kinds
 from vmalloc.errors import InvalidArgumentError
 from vmalloc.offload.gpus import get_gpu
+from vmalloc.offload.sim_memory import _OOM, _Engine, _make_allocator, _Memory
 from vmalloc.sizes import parse_size
 
 __all__ = ["simulate", "SimulationResult", "ALLOCATORS", "in_core_seconds", "function_seconds"]
@@ -70,7 +70,10 @@ class SimulationResult:
     iteration_seconds: Optional[float]
     images_per_second: Optional[float]
     in_core_seconds: float
+    #: In-core images/s at this batch: only when this batch runs in core (else None).
     in_core_images_per_second: Optional[float]
+    #: The paper's ratio: images/s over in-core images/s at the in-core limit (None when the
+    #: limit is not known: pass ``reference`` to :func:`simulate`).
     relative_speed: Optional[float]
     compute_seconds: float
     stall_seconds: Dict[str, float]
@@ -87,6 +90,24 @@ class SimulationResult:
     h2d_seconds: float
     d2h_seconds: float
     out_of_memory: bool
+    #: The host link the copy times used (the GPU model's ``link`` and its bandwidths).
+    link: str = ""
+    #: The in-core limit (largest batch with no swaps) and its images/s: the paper's reference.
+    in_core_limit_batch: Optional[int] = None
+    in_core_limit_images_per_second: Optional[float] = None
+    #: The other ratio: compute-only time at this batch / iteration time (memory unlimited).
+    speed_vs_compute_only: Optional[float] = None
+    #: images/s of this batch's compute alone (memory unlimited; not an in-core speed).
+    compute_only_images_per_second: Optional[float] = None
+    #: Host time in virtual-address mapping calls (create, map, set_access, unmap, ...), priced
+    #: per call by the device's cost model, and how many such calls the iteration made.
+    va_seconds: float = 0.0
+    va_calls: int = 0
+    #: Functions re-run by recompute and their model time (in ``compute_seconds``, not in
+    #: ``in_core_seconds``); the compression format of compressed swaps (None: lossless).
+    recomputed_functions: int = 0
+    recompute_seconds: float = 0.0
+    compression: Optional[str] = None
     oom_function: Optional[dict] = None
     oom_message: Optional[str] = None
     timeline: Optional[dict] = field(default=None, repr=False)
@@ -106,14 +127,29 @@ class SimulationResult:
             return (f"{head}: OUT OF MEMORY at function {f.get('index')} ({f.get('name')}); "
                     f"peak reserved {format_size(self.peak_reserved_bytes)} of "
                     f"{format_size(self.capacity_bytes)}")
-        return (f"{head}: {self.images_per_second:.1f} images/s "
-                f"({self.relative_speed:.0%} of in-core {self.in_core_images_per_second:.1f}), "
-                f"iteration {self.iteration_seconds * 1e3:.1f} ms "
+        if self.relative_speed is not None:
+            rel = (f"{self.relative_speed:.0%} of in-core at the in-core limit (batch "
+                   f"{self.in_core_limit_batch}, {self.in_core_limit_images_per_second:.1f} "
+                   f"images/s)")
+        else:
+            rel = f"{self.speed_vs_compute_only:.0%} of this batch's compute-only speed"
+        if self.in_core_images_per_second is not None and self.in_core_limit_batch is not None:
+            rel += f"; in core at this batch {self.in_core_images_per_second:.1f}"
+        return (f"{head}, link {self.link}: {self.images_per_second:.1f} images/s "
+                f"({rel}), iteration {self.iteration_seconds * 1e3:.1f} ms "
                 f"(bound {self.bound_seconds * 1e3:.1f} ms, x{self.bound_ratio:.3f}); "
                 f"peak requested {format_size(self.peak_requested_bytes)}, reserved "
                 f"{format_size(self.peak_reserved_bytes)}, budget {format_size(self.budget_bytes)}; "
                 f"swapped out {format_size(self.swapped_out_bytes)}, in "
-                f"{format_size(self.swapped_in_bytes)}")
+                f"{format_size(self.swapped_in_bytes)}; VA mapping {self.va_calls} calls, "
+                f"{self.va_seconds * 1e3:.1f} ms of host time")
+
+
+def link_description(gpu) -> str:
+    """The link model a simulation used, e.g. ``"NVLink 2 to POWER9 (2 bricks): H2D 45.9 /
+    D2H 45.9 / both 45.9 GB/s"``."""
+    return (f"{gpu.link or 'unnamed'}: H2D {gpu.h2d_bandwidth / 1e9:.1f} / D2H "
+            f"{gpu.d2h_bandwidth / 1e9:.1f} / both {gpu.bidirectional_bandwidth / 1e9:.1f} GB/s")
 
 
 def function_seconds(seq, gpu) -> List[float]:
@@ -134,110 +170,10 @@ def in_core_seconds(seq, gpu) -> float:
     return math.fsum(function_seconds(seq, gpu))
 
 
-class _Engine:
-    """A FIFO copy engine: busy intervals in order."""
-
-    def __init__(self, bandwidth, both):
-        self.bw = bandwidth
-        self.both = both
-        self.starts: List[float] = []
-        self.ends: List[float] = []
-        self.free_at = 0.0
-        self.busy = 0.0
-
-    def _busy_at(self, t):
-        """(busy, next change) of this engine at time t."""
-        i = bisect.bisect_right(self.starts, t) - 1
-        if i >= 0 and t < self.ends[i]:
-            return True, self.ends[i]
-        nxt = self.starts[i + 1] if i + 1 < len(self.starts) else math.inf
-        return False, nxt
-
-    def copy(self, ready, nbytes, other):
-        """Places a copy of ``nbytes`` that may start at ``ready``; returns (start, end)."""
-        start = max(ready, self.free_at)
-        if nbytes <= 0 or math.isinf(self.bw):
-            end = start
-        elif self.both >= self.bw or not other.starts:
-            end = start + nbytes / self.bw
-        else:
-            t, left = start, float(nbytes)
-            while True:
-                busy, change = other._busy_at(t)
-                rate = self.both if busy else self.bw
-                if math.isinf(rate):
-                    break
-                dt = left / rate
-                if t + dt <= change:
-                    t += dt
-                    break
-                left -= (change - t) * rate
-                t = change
-            end = t
-        self.starts.append(start)
-        self.ends.append(end)
-        self.free_at = end
-        self.busy += end - start
-        return start, end
-
-
-class _OOM(Exception):
-    pass
-
-
-def _make_allocator(kind, device, chunk_size, steal=True):
-    options = allocator_kinds.get(kind).applicable(chunk_size=chunk_size,
-                                                   steal_before_create=steal)
-    return allocator_kinds.make(kind, device, **options)
-
-
-class _Memory:
-    """Variables' device memory through a real allocator; samples for the timeline."""
-
-    def __init__(self, alloc, seq, stable, record):
-        self.alloc = alloc
-        self.seq = seq
-        self.ptr: Dict[int, int] = {}
-        self.unmapped: Dict[int, int] = {}   # pointer-stable swap-out (unmap_backing)
-        self.stable = stable
-        self.samples = [] if record else None
-        self.where = None  # (index, name) for OOM reports
-
-    def _sample(self, t):
-        if self.samples is not None:
-            s = self.alloc.stats()
-            self.samples.append((t, s.requested_bytes, s.reserved_bytes))
-
-    def acquire(self, v, t):
-        n = max(1, self.seq.variables[v].nbytes)
-        try:
-            if self.stable and v in self.unmapped:
-                p = self.unmapped.pop(v)
-                self.alloc.map_backing(p)
-                self.ptr[v] = p
-            else:
-                self.ptr[v] = self.alloc.allocate(n)
-        except vmalloc.OutOfMemoryError as e:
-            raise _OOM(str(e)) from None
-        self._sample(t)
-
-    def release(self, v, t, swap=False):
-        p = self.ptr.pop(v, None)
-        if p is None:
-            return
-        if swap and self.stable and self.alloc.owns_chunks(p):
-            # Pointer-stable: the chunks go back to the pool, the range stays reserved.
-            # (Small blocks share arena chunks: they relocate, as the SwapManager does.)
-            self.alloc.unmap_backing(p)
-            self.unmapped[v] = p
-        else:
-            self.alloc.deallocate(p)
-        self._sample(t)
-
-
 def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_size=None,
              capacity=None, timeline=False, iterations=2,
-             steal_before_create=True, release_completed=None) -> SimulationResult:
+             steal_before_create=True, release_completed=None,
+             reference=None, va_costs=True) -> SimulationResult:
     """Simulates one steady-state iteration of ``seq`` under ``schedule`` on ``gpu``.
 
     Args:
@@ -258,6 +194,15 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
             which LMS schedules assume (default: True for ``scheduler == "lms"``).
         timeline: keep per-event intervals and memory samples (for :mod:`~vmalloc.offload.timeline`).
         iterations: iterations run on the same allocator; the last is reported (default 2).
+        reference: ``(batch, images/s)`` of the in-core limit on this GPU
+            (:func:`~vmalloc.offload.planner.in_core_reference`): with it ``relative_speed`` is
+            the paper's ratio, images/s over the in-core images/s at the in-core limit, and
+            ``in_core_images_per_second`` is quoted only for a batch at or under the limit.
+            Without it ``relative_speed`` is None and the in-core speed at this batch is quoted
+            only when the sequence's in-core peak fits the capacity.
+
+    Virtual-address mapping calls cost host time (see :class:`_Memory`; ``va_costs=False``
+    makes them free): ``va_seconds`` and ``va_calls`` report them. ``link`` names the link model the copy times used.
 
     Out-of-memory is reported in the result (``out_of_memory``, ``oom_function``,
     ``oom_message`` with the allocator's state), not raised.
@@ -268,6 +213,8 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
             f"unknown allocator {allocator!r}; choose from {', '.join(ALLOCATORS)}")
     if schedule is None:
         schedule = _in_core_schedule(seq)
+    # under recompute the steps are those of the expanded sequence (re-run functions inserted)
+    seq = schedule.sequence_of(seq)
     if len(schedule.steps) != len(seq.functions):
         raise InvalidArgumentError(
             f"the schedule has {len(schedule.steps)} steps for {len(seq.functions)} functions")
@@ -285,7 +232,7 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
     durations = function_seconds(seq, gpu)
     if release_completed is None:
         release_completed = schedule.scheduler == "lms"
-    mem = _Memory(alloc, seq, stable, False)
+    mem = _Memory(alloc, seq, stable, False, device if va_costs else None)
     oom = None
     run = None
     try:
@@ -296,6 +243,7 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
             last = it == iterations - 1
             if last:
                 alloc.reset_peak_stats()
+                mem.reset_costs()
                 if timeline:
                     mem.samples = []
                     mem._sample(0.0)
@@ -305,7 +253,9 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
         oom = (mem.where, str(e))
 
     compute = math.fsum(durations)
-    in_core = compute
+    rc = schedule.recompute
+    recompute_s = math.fsum(durations[k] for k in rc.origin) if rc is not None else 0.0
+    in_core = compute - recompute_s
     batch = seq.batch
     stats = alloc.stats()
     out_bytes = schedule.swap_out_bytes(seq)
@@ -314,12 +264,18 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
     # swap-outs (forward) and swap-ins (backward) of a training step mostly cannot overlap:
     # the serial bound adds the two directions' transfer times
     serial = max(compute, _xfer(out_bytes, gpu.d2h_bandwidth) + _xfer(in_bytes, gpu.h2d_bandwidth))
-    ips_in = batch / in_core if batch and in_core > 0 else None
+    ips_compute = batch / in_core if batch and in_core > 0 else None
+    limit_b = limit_ips = None
+    if reference is not None:
+        limit_b, limit_ips = reference
+        runs_in_core = bool(batch) and bool(limit_b) and batch <= limit_b
+    else:
+        runs_in_core = seq.in_core_peak() <= cap
     res = SimulationResult(
         model=seq.name, batch=batch, gpu=gpu.name, scheduler=schedule.scheduler,
         allocator=allocator, chunk_size=chunk, params=dict(schedule.params),
         iteration_seconds=None, images_per_second=None, in_core_seconds=in_core,
-        in_core_images_per_second=ips_in, relative_speed=None, compute_seconds=compute,
+        in_core_images_per_second=None, relative_speed=None, compute_seconds=compute,
         stall_seconds={"swap_in": 0.0, "swap_out": 0.0, "tail": 0.0},
         bound_seconds=bound, bound_ratio=None,
         serial_bound_seconds=serial, serial_bound_ratio=None,
@@ -327,7 +283,16 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
         peak_reserved_bytes=stats.peak_reserved_bytes,
         budget_bytes=schedule.budget if schedule.budget is not None else cap,
         capacity_bytes=cap, swapped_out_bytes=out_bytes, swapped_in_bytes=in_bytes,
-        h2d_seconds=0.0, d2h_seconds=0.0, out_of_memory=oom is not None)
+        h2d_seconds=0.0, d2h_seconds=0.0, out_of_memory=oom is not None,
+        link=link_description(gpu), in_core_limit_batch=limit_b,
+        in_core_limit_images_per_second=limit_ips,
+        compute_only_images_per_second=ips_compute,
+        va_seconds=mem.va_seconds, va_calls=mem.va_calls,
+        recomputed_functions=schedule.recomputed_functions(), recompute_seconds=recompute_s,
+        compression=schedule.compression if schedule.compressed else None)
+    if runs_in_core:
+        # the compute-only time is the in-core time when the batch fits with no swaps
+        res.in_core_images_per_second = ips_compute
     if oom is not None:
         (index, name), message = oom
         res.oom_function = {"index": index, "name": name}
@@ -340,7 +305,10 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
     res.d2h_seconds = d2h
     if batch and t > 0:
         res.images_per_second = batch / t
-        res.relative_speed = in_core / t
+        if limit_ips:
+            res.relative_speed = res.images_per_second / limit_ips
+    if t > 0:
+        res.speed_vs_compute_only = in_core / t
     res.bound_ratio = t / bound if bound > 0 else 1.0
     res.serial_bound_ratio = t / serial if serial > 0 else 1.0
     if timeline:
@@ -359,6 +327,15 @@ def _run_iteration(seq, schedule, gpu, durations, mem, record, release_completed
     h2d = _Engine(gpu.h2d_bandwidth, gpu.bidirectional_bandwidth)
     d2h = _Engine(gpu.d2h_bandwidth, gpu.bidirectional_bandwidth)
     var = seq.variables
+    compressed = schedule.compressed
+
+    def moved(v):
+        n = var[v].nbytes
+        return n // 2 if v in compressed else n
+
+    def cast(v):
+        # fp16/bf16 compression: read 4 bytes, write 2 per element, in device memory
+        return 1.5 * var[v].nbytes / gpu.hbm_bandwidth if v in compressed else 0.0
     # variable -> state: "host", "device", "out" (swap-out in flight, memory still held)
     on_device = set(schedule.initial_resident)
     out_end: Dict[int, float] = {}     # end of the variable's last swap-out copy
@@ -378,16 +355,22 @@ def _run_iteration(seq, schedule, gpu, durations, mem, record, release_completed
                 if v in pending_out and out_end.get(v) is not None:
                     pending_out.discard(v)
                     on_device.discard(v)
-                    mem.release(v, h, swap=True)
+                    h += mem.release(v, h, swap=True)
+        for v in step.drop:
+            # the host copy is valid: the memory goes with no copy (pointer-stable like a
+            # swap-out, since a swap-in brings it back)
+            if v in on_device and v not in pending_out:
+                on_device.discard(v)
+                h += mem.release(v, h, swap=True)
         for v in step.wait_swap_out:
             h = max(h, out_end.get(v, 0.0))
             if v in pending_out:
                 pending_out.discard(v)
                 on_device.discard(v)
-                mem.release(v, h, swap=True)
+                h += mem.release(v, h, swap=True)
         for v in step.allocate:
             if v not in on_device:
-                mem.acquire(v, h)
+                h += mem.acquire(v, h)
                 on_device.add(v)
         for v in step.swap_in:
             if v in pending_out:      # its swap-out not yet waited: the device copy is valid
@@ -395,9 +378,9 @@ def _run_iteration(seq, schedule, gpu, durations, mem, record, release_completed
                 continue
             if v in on_device:
                 continue
-            mem.acquire(v, h)
+            h += mem.acquire(v, h)
             on_device.add(v)
-            s, e = h2d.copy(max(h, out_end.get(v, 0.0)), var[v].nbytes, d2h)
+            s, e = h2d.copy(max(h, out_end.get(v, 0.0)), moved(v), d2h, cast(v))
             in_end[v] = e
             if record:
                 h2d_iv.append((s, e, v))
@@ -416,9 +399,9 @@ def _run_iteration(seq, schedule, gpu, durations, mem, record, release_completed
             pending_out.discard(v)
             if v in on_device:
                 on_device.discard(v)
-                mem.release(v, h)
+                h += mem.release(v, h)
         for v in step.swap_out:
-            s, e = d2h.copy(end, var[v].nbytes, h2d)
+            s, e = d2h.copy(end, moved(v), h2d, cast(v))
             out_end[v] = e
             pending_out.add(v)
             if release_completed:
@@ -432,7 +415,11 @@ def _run_iteration(seq, schedule, gpu, durations, mem, record, release_completed
         if v in pending_out:
             pending_out.discard(v)
             on_device.discard(v)
-            mem.release(v, h, swap=True)
+            h += mem.release(v, h, swap=True)
+    for v in schedule.end_drop:
+        if v in on_device and v not in pending_out:
+            on_device.discard(v)
+            h += mem.release(v, h, swap=True)
     t_end = max(t_end, h, h2d.free_at, d2h.free_at)
     stalls["tail"] = t_end - c
     # anything left that should not be (a schedule that forgot a free) goes at the end;

@@ -48,7 +48,7 @@ from vmalloc.errors import InvalidArgumentError
 from vmalloc.offload.schedule import Schedule, ScheduleError, Step
 from vmalloc.sizes import format_size, parse_size
 
-_ABSENT, _ON_HOST, _HELD, _SWAPPING_OUT = range(4)
+_ABSENT, _ON_HOST, _HELD, _SWAPPING_OUT, _DROPPING = range(5)
 
 
 class WindowScheduler:
@@ -63,7 +63,7 @@ class WindowScheduler:
 
     name = "window"
 
-    def __init__(self, window, budget, persistent: str = "swap"):
+    def __init__(self, window, budget, persistent: str = "swap", drop: bool = False):
         self.window = parse_size(window, "window")
         self.budget = parse_size(budget, "budget")
         if self.window <= 0:
@@ -72,10 +72,11 @@ class WindowScheduler:
             raise InvalidArgumentError(
                 f"persistent must be 'swap' or 'resident', got {persistent!r}")
         self.persistent = persistent
+        self.drop = bool(drop)
 
     def __repr__(self):
         return (f"WindowScheduler(window={self.window}, budget={self.budget}, "
-                f"persistent={self.persistent!r})")
+                f"persistent={self.persistent!r}, drop={self.drop!r})")
 
     def schedule(self, seq, trace=None) -> Schedule:
         """Returns the schedule of ``seq``. Raises :class:`ScheduleError` when a function's own
@@ -133,6 +134,10 @@ class WindowScheduler:
                 f"the resident persistent variables take {format_size(fixed)} ({fixed} bytes); "
                 f"the budget is {format_size(budget)} ({budget} bytes)", function=None)
 
+        use_drop = self.drop
+        # the host holds v's current content (it came in by a swap-in or went out by a
+        # swap-out, and nothing wrote it since): leaving the device needs no copy
+        hvalid = [persistent[v] and managed[v] for v in range(nvar)]
         fifo = deque()              # (token, v, step) of swap-outs in flight, oldest first
         out_token = [0] * nvar      # token of v's swap-out in flight (0: none)
         out_step = [0] * nvar
@@ -185,11 +190,16 @@ class WindowScheduler:
                             skipped.append(entry)   # about to be cancelled: do not wait
                             continue
                         out_token[v] = 0
-                        state[v] = _ON_HOST
                         held -= sizes[v]
-                        step.wait_swap_out.append(v)
-                        if trace is not None:
-                            trace.append(("wait", i, v))
+                        if state[v] == _DROPPING:
+                            step.drop.append(v)
+                            if trace is not None:
+                                trace.append(("drop", i, v))
+                        else:
+                            step.wait_swap_out.append(v)
+                            if trace is not None:
+                                trace.append(("wait", i, v))
+                        state[v] = _ON_HOST
                     fifo.extendleft(reversed(skipped))
                 if held + need > budget:
                     if j == i:
@@ -218,12 +228,18 @@ class WindowScheduler:
                             held += sizes[v]
                     elif s == _HELD:
                         continue
+                    elif s == _DROPPING:
+                        # a pending drop re-enters the window: it simply stays resident
+                        out_token[v] = 0
+                        if trace is not None:
+                            trace.append(("keep", i, v))
                     elif s == _SWAPPING_OUT:
                         # offline cancel: the swap-out is dropped from the step that issued it
                         steps[out_step[v]].swap_out.remove(v)
                         if trace is not None:
                             trace.append(("cancel", i, v, out_step[v]))
                         out_token[v] = 0
+                        hvalid[v] = False           # the copy never happens
                     elif r and s == _ON_HOST:
                         step.swap_in.append(v)
                         jstep.wait_swap_in.append(v)
@@ -235,6 +251,8 @@ class WindowScheduler:
                     state[v] = _HELD
                 head += 1
             # (c)/(d): after function i
+            for v in functions[i].outputs:
+                hvalid[v] = False
             for v, nx, nr in zip(fman[i], fnext[i], fnread[i]):
                 if nx < 0:
                     if persistent[v] and first_reads[v]:
@@ -247,13 +265,22 @@ class WindowScheduler:
                     continue                    # next use inside the window: keep
                 else:
                     out = True
-                if out:
+                if out and use_drop and hvalid[v]:
+                    # no copy needed: a pending drop, taken (before a later function) only
+                    # when the budget needs the bytes, else the variable stays resident
+                    token += 1
+                    out_token[v] = token
+                    out_step[v] = i
+                    fifo.append((token, v, i))
+                    state[v] = _DROPPING
+                elif out:
                     token += 1
                     out_token[v] = token
                     out_step[v] = i
                     fifo.append((token, v, i))
                     state[v] = _SWAPPING_OUT
                     step.swap_out.append(v)
+                    hvalid[v] = True
                 else:
                     step.free.append(v)
                     if 0 <= nx < head:
@@ -261,9 +288,12 @@ class WindowScheduler:
                     else:
                         state[v] = _ABSENT
                         held -= sizes[v]
-        end = [v for t, v, _ in fifo if out_token[v] == t]
-        params = {"window": self.window, "persistent": self.persistent}
+        live = [v for t, v, _ in fifo if out_token[v] == t]
+        end = [v for v in live if state[v] == _SWAPPING_OUT]
+        end_drop = [v for v in live if state[v] == _DROPPING]
+        params = {"window": self.window, "persistent": self.persistent, "drop": self.drop}
         return Schedule("window", steps, budget=budget, params=params,
-                        initial_resident=frozenset(resident), end_wait_swap_out=end)
+                        initial_resident=frozenset(resident), end_wait_swap_out=end,
+                        end_drop=end_drop)
 
     __call__ = schedule
