@@ -106,7 +106,7 @@ def _sequence_file(tmp_path, **changes):
     (["simulate", "--budget", "0"], "vmalloc offload simulate: error: argument --budget: "
      "'0': must be a positive size such as '2MiB' (see vmalloc offload simulate --help)"),
     (["simulate", "--gpu", "tpu"], "vmalloc offload simulate: error: --gpu tpu: unknown GPU; "
-     "choose from v100-16gb, v100-16gb-3brick, a100-40gb, a100-80gb, h100-80gb"),
+     "choose from v100-16gb, v100-16gb-3brick, p100-16gb, a100-40gb, a100-80gb, h100-80gb"),
     (["simulate", "--model", "{null_batch}"], "vmalloc offload simulate: error: --model "
      "{null_batch}: the sequence records no batch size (\"batch\": null), so images/s and "
      "--batch do not apply; save it with the batch it was recorded at"),
@@ -137,7 +137,7 @@ def test_sizes_are_human_readable_in_text_and_bytes_in_json(capsys):
     argv = ["simulate", "--batch", "64", "--budget", "8GiB", "--window", "256MiB"]
     code, out, err = run(capsys, *argv)
     assert code == 0, err
-    assert "parameters: window=256.00 MiB, budget=8.00 GiB\n" in out
+    assert "parameters: window=256.00 MiB, budget=8.00 GiB, drop=True\n" in out
     code, out, err = run(capsys, *argv, "--json")
     assert json.loads(out)["planned"]["params"] == {"window": 256 << 20, "budget": 8 << 30}
     assert "16.00 GiB" in run(capsys, "gpus")[1].splitlines()[0]
