@@ -139,5 +139,6 @@ def test_sizes_are_human_readable_in_text_and_bytes_in_json(capsys):
     assert code == 0, err
     assert "parameters: window=256.00 MiB, budget=8.00 GiB, drop=True\n" in out
     code, out, err = run(capsys, *argv, "--json")
-    assert json.loads(out)["planned"]["params"] == {"window": 256 << 20, "budget": 8 << 30}
+    assert json.loads(out)["planned"]["params"] == {"window": 256 << 20, "budget": 8 << 30,
+                                                  "drop": True}
     assert "16.00 GiB" in run(capsys, "gpus")[1].splitlines()[0]
