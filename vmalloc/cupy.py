@@ -231,6 +231,7 @@ def array(ptrs, buffer, shape, dtype="float32"):
         raise InvalidArgumentError(
             f"an array of shape {tuple(shape)} and dtype {dtype} needs {nbytes} bytes; "
             f"buffer {buffer.id} has {buffer.nbytes}")
-    device = buffer._rt.device.ordinal if buffer._rt.device is not None else 0
+    rt_device = buffer.runtime.device
+    device = rt_device.ordinal if rt_device is not None else 0
     mem = cupy.cuda.UnownedMemory(ptrs[buffer], buffer.nbytes, buffer, device)
     return cupy.ndarray(tuple(shape), dtype, cupy.cuda.MemoryPointer(mem, 0))
