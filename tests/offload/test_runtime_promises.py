@@ -97,21 +97,35 @@ def test_begin_end_enter_exit_are_the_context_managers_unrolled():
 # --- defect 3: one error does not wedge the runtime -------------------------------------------
 
 def test_out_of_memory_on_entry_leaves_the_runtime_usable():
-    rt = host_runtime(budget="6MiB")
+    rt = host_runtime(capacity="8MiB")            # budget: 8 MiB less 5 %
     a, b = rt.allocate(4 * MiB), rt.allocate(2 * MiB)
     c = rt.allocate(4 * MiB)          # evicts a
     with rt.iteration():
-        with pytest.raises(OutOfMemoryError):
-            with rt.function(reads=[a, c], name="too big"):
-                pass
+        with pytest.warns(BudgetWarning, match=r"function 0 \(too big\) needs 10485760 bytes"):
+            with pytest.raises(OutOfMemoryError):    # 10 MiB at once: the device has 8
+                with rt.function(reads=[b, c, a], name="too big"):
+                    pass
         with rt.function(reads=[a, b], name="fits") as p:   # was: "functions do not nest"
             assert p[a] == a.ptr
         assert not rt.in_function
-    assert rt.stats()["failed_functions"] == 1
+    s = rt.stats()
+    assert s["failed_functions"] == 1 and s["over_budget"] == 1
     with rt.iteration():
         with rt.function(reads=[c], name="next"):
             pass
     assert rt.stats()["iterations"] == 2
+
+
+def test_a_function_over_the_budget_runs_over_it_when_the_device_has_room():
+    rt = host_runtime(capacity="32MiB", budget="6MiB")
+    a, b = rt.allocate(4 * MiB), rt.allocate(4 * MiB)      # a evicted
+    with pytest.warns(BudgetWarning, match=r"function 0 \(both\) needs 8388608 bytes"):
+        with rt.iteration():
+            with rt.function(reads=[a, b], name="both"):
+                assert rt.stats()["device_bytes"] == 8 * MiB
+    s = rt.stats()
+    assert s["over_budget"] == 1 and s["device_bytes"] <= 6 * MiB   # back under after it
+    assert "needs 8388608 bytes" in s["schedule_error"]
 
 
 def test_a_refused_swap_in_leaves_the_runtime_usable_and_the_data_intact():

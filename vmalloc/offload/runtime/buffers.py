@@ -263,11 +263,10 @@ class Residency:
                         raise
                     continue
             if not self._evict_one():
-                raise OutOfMemoryError(
-                    f"the runtime cannot make room for {n} bytes within its budget of "
-                    f"{self.budget} bytes: {self._device_bytes} bytes are held by buffers the "
-                    "running function needs", requested_bytes=n,
-                    state=f"budget={self.budget} device_bytes={self._device_bytes}")
+                # What is left is the running function's: over the budget if the device has
+                # room (said once), else the allocator's OutOfMemoryError.
+                self._over_budget(footprint)
+                return self.swap.allocate(n, stream=self.stream)
 
     def _evict_one(self):
         """Swaps out (synchronously) the least recently used buffer that the running function
@@ -326,13 +325,30 @@ class Residency:
             if not on_demand:
                 return False
             if not self._evict_one():
-                raise OutOfMemoryError(
-                    f"the runtime cannot swap in buffer {buf.id} ({buf.nbytes} bytes) within "
-                    f"its budget of {self.budget} bytes", requested_bytes=buf.nbytes,
-                    state=f"budget={self.budget} device_bytes={self._device_bytes}")
+                self._over_budget(buf.footprint)
+                self._in(buf)     # the allocator's OutOfMemoryError if the device is full
+                break
         if on_demand:
             self._stats["on_demand_swap_ins"] += 1
         return True
+
+    def _over_budget(self, nbytes):
+        """Nothing is left to evict but the running function's buffers: the budget cannot be
+        kept for this function. Counted, and said once (with the unschedulable budget)."""
+        import warnings
+        from vmalloc.offload.runtime.recording import BudgetWarning
+
+        self._stats["over_budget"] += 1
+        held = self._device_bytes + nbytes
+        what = (f"function {self._step} ({self._fn_name})" if self._in_function
+                else "an allocation outside functions")
+        message = (f"{what} needs {held} bytes on the device at once; the budget is "
+                   f"{self.budget} bytes: it runs over the budget")
+        if self._schedule_error is None:
+            self._schedule_error = message
+        if not self._warned_unschedulable:
+            self._warned_unschedulable = True
+            warnings.warn(message, BudgetWarning, stacklevel=5)
 
     def _make_resident(self, bufs):
         """Every buffer of the running function resident, its swap-in waited."""

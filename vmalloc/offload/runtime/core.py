@@ -24,7 +24,7 @@ STATS_KEYS = (
     "iterations", "recorded_iterations", "scheduled_iterations", "diverged_iterations",
     "reschedules", "schedule_failures", "functions", "failed_functions",
     "on_demand_swap_ins", "evictions", "scheduled_swap_outs", "scheduled_swap_ins",
-    "prefetch_failures", "device_bytes", "peak_device_bytes", "budget_bytes",
+    "prefetch_failures", "over_budget", "device_bytes", "peak_device_bytes", "budget_bytes",
     "pinned_bytes", "schedule_error", "swapped_out_bytes", "swapped_in_bytes", "swap")
 
 
@@ -126,11 +126,13 @@ class Runtime(Residency, Recording, Following, Divergence):
         self._pending_out: List[Buffer] = []
         self._pending_in: List[Buffer] = []
         self._current: Optional[List[Buffer]] = None
+        self._fn_name = None
         self._stats = dict(iterations=0, recorded_iterations=0, reschedules=0,
                            scheduled_iterations=0, on_demand_swap_ins=0, evictions=0,
                            diverged_iterations=0, schedule_failures=0,
                            scheduled_swap_outs=0, scheduled_swap_ins=0,
-                           prefetch_failures=0, functions=0, failed_functions=0)
+                           prefetch_failures=0, functions=0, failed_functions=0,
+                           over_budget=0)
         self.last_schedule_error = None
         self._schedule_error = None        # the message said when no schedule fits
         self._schedule_need = None         # (function name, bytes) it names
@@ -225,21 +227,29 @@ class Runtime(Residency, Recording, Following, Divergence):
         reads, writes = tuple(reads), tuple(writes)
         if self._in_function:
             raise InvalidArgumentError("functions do not nest")
+        if self.at_boundary is not None:
+            # (The driver forgets what its framework freed; a failure here fails the entry.)
+            try:
+                self.at_boundary()
+            except BaseException as error:
+                self._abandon(f"function {self._step} ({name}) failed on entry: {error!r}")
+                raise
         bufs = []
         seen = set()
         for b in reads + writes:
-            self._check_buffer(b, f"function {name or ''}")
+            self._check_buffer(b, f"function {name or ''}")   # bad input: nothing changed
             if id(b) not in seen:
                 seen.add(id(b))
                 bufs.append(b)
         name = name or f"f{self._step}"
         try:
-            if self.at_boundary is not None:
-                self.at_boundary()
             if self._in_iteration:
                 self._stats["functions"] += 1
                 if self._following and not self._matches(self._step, name, reads, writes):
-                    self._diverge(f"function {self._step} ({name}) differs from the record")
+                    n = len(self._sequence.functions)
+                    self._diverge(f"function {self._step} ({name}) differs from the record"
+                                  if self._step < n else f"function {self._step} ({name}) "
+                                  f"runs past the end of the record ({n} functions)")
                 if self._pre_pending:
                     self._run_pre_actions()
             self._current = bufs
@@ -293,6 +303,18 @@ class Runtime(Residency, Recording, Following, Divergence):
         except BaseException as error:
             self._abandon(f"function {self._step} ({name}) failed on exit: {error!r}")
             raise
+
+    # --- a context manager: the out-of-core region --------------------------------------------
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        """Leaving the region: an iteration left open ends (failed if by an exception), and
+        every buffer comes back to the device (:meth:`restore_all`); stats keep their values."""
+        if self._in_iteration:
+            self.end_iteration(failed=exc_type is not None)
+        self.restore_all()
+        return False
 
     # --- what the runtime did ----------------------------------------------------------------
     @property

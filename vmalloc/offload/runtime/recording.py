@@ -44,6 +44,12 @@ class Recording:
 
         seq = FunctionSequence(name="runtime")
         var_of = {}
+        # A buffer adopted during the iteration that the driver marked persistent before it
+        # ended (it outlives the iteration: nnabla's uncleared arrays) is recorded persistent.
+        promoted = [b for b in self._record_allocs if b.persistent]
+        self._record_persistent = self._record_persistent + [
+            b for b in promoted if b not in self._record_persistent]
+        self._record_allocs = [b for b in self._record_allocs if not b.persistent]
         for buf in self._record_persistent:
             if buf.alive:
                 var_of[id(buf)] = seq.add_variable(buf.footprint, persistent=True,
@@ -65,9 +71,12 @@ class Recording:
         modes = ["resident", "swap"] if self.persistent == "auto" else [self.persistent]
         for mode in modes:
             try:
-                self._schedule = self._make_scheduler(mode).schedule(seq)
-                if self.budget is not None:
-                    self._schedule.check(seq, self.budget)
+                scheduler = self._make_scheduler(mode)
+                self._schedule = scheduler.schedule(seq)
+                # LMS and vDNN take no budget: their plans are checked for the rules only
+                # (on demand, eviction keeps the budget around them).
+                budgetless = self._scheduler_spec in ("lms", "vdnn")
+                self._schedule.check(seq, None if budgetless else self.budget)
                 self.last_schedule_error = None
                 break
             except ScheduleError as error:
