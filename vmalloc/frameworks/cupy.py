@@ -1,4 +1,6 @@
-"""Using a vmalloc allocator as CuPy's memory allocator.
+"""The CuPy driver (``vmalloc.cupy``): a vmalloc allocator as CuPy's memory allocator
+(:class:`use_vmalloc`), and out-of-core training over the :class:`vmalloc.offload.Runtime`
+(:func:`out_of_core`).
 
 ::
 
@@ -70,7 +72,7 @@ def _out_of_memory_error_class():
                 def __reduce__(self):
                     return (type(self), (str(self), self._size, self._total, self.stats))
 
-            CupyOutOfMemoryError.__module__ = __name__
+            CupyOutOfMemoryError.__module__ = "vmalloc.cupy"   # its documented home
             _oom_class = CupyOutOfMemoryError
         return _oom_class
 
@@ -185,17 +187,21 @@ class use_vmalloc:
 # ``function`` blocks; these helpers make the runtime and CuPy arrays over its buffers.
 
 def out_of_core(allocator=None, budget=None, scheduler="window", window=None, device=None,
-                stream=None):
+                stream=None, persistent="auto", strict=False):
     """A :class:`vmalloc.offload.Runtime` for CuPy programs: over ``allocator`` (default: the
     current vmalloc allocator of ``device``, or of CuPy's current device), with CuPy's current
-    stream as the compute stream. Mark each block of work::
+    stream as the compute stream; ``budget``, ``scheduler``, ``window``, ``persistent``
+    (default ``"auto"``, as every driver) and ``strict`` as for the Runtime. It is a context
+    manager (leaving it brings every buffer back; ``stats()`` keeps its values). Mark each
+    block of work::
 
-        rt = vmalloc.cupy.out_of_core(budget="12GiB")
-        w = rt.allocate(4 * n * n)                      # a parameter
-        with rt.iteration():
-            x = rt.allocate(4 * n * n)
-            with rt.function(reads=[w], writes=[x], name="init") as p:
-                vmalloc.cupy.array(p, x, (n, n))[...] = vmalloc.cupy.array(p, w, (n, n)) * 2
+        with vmalloc.cupy.out_of_core(budget="12GiB") as rt:
+            w = rt.allocate(4 * n * n)                      # a parameter
+            with rt.iteration():
+                x = rt.allocate(4 * n * n)
+                with rt.function(reads=[w], writes=[x], name="init") as p:
+                    vmalloc.cupy.array(p, x, (n, n))[...] = vmalloc.cupy.array(p, w, (n, n)) * 2
+        print(rt.stats())
 
     Swaps run on the SwapManager's own streams, ordered after the compute ``stream`` (default:
     CuPy's current stream) with events.
@@ -215,7 +221,7 @@ def out_of_core(allocator=None, budget=None, scheduler="window", window=None, de
     elif not isinstance(stream, int):
         stream = stream.ptr
     return Runtime(allocator, budget=budget, scheduler=scheduler, window=window, stream=stream,
-                   host_compute=False)
+                   host_compute=False, persistent=persistent, strict=strict)
 
 
 def array(ptrs, buffer, shape, dtype="float32"):
