@@ -101,13 +101,17 @@ def test_out_of_memory_on_entry_leaves_the_runtime_usable():
     a, b = rt.allocate(4 * MiB), rt.allocate(2 * MiB)
     c = rt.allocate(4 * MiB)          # evicts a
     with rt.iteration():
-        with pytest.warns(BudgetWarning, match=r"function 0 \(too big\) needs 10485760 bytes"):
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
             with pytest.raises(OutOfMemoryError):    # 10 MiB at once: the device has 8
                 with rt.function(reads=[b, c, a], name="too big"):
                     pass
         with rt.function(reads=[a, b], name="fits") as p:   # was: "functions do not nest"
             assert p[a] == a.ptr
         assert not rt.in_function
+    assert [str(w.message) for w in said if w.category is BudgetWarning] == [
+        "function 0 (too big) needs 10485760 bytes on the device at once; the budget is "
+        "7969177 bytes: it runs over the budget"]
     s = rt.stats()
     assert s["failed_functions"] == 1 and s["over_budget"] == 1
     with rt.iteration():
