@@ -355,3 +355,103 @@ def test_invalidate_drops_the_record():
     rt.invalidate("the driver learned the record is wrong")
     assert rt.sequence is None and rt.schedule is None
     assert rt.last_divergence == "the driver learned the record is wrong"
+
+
+# --- defect 3, property: any number of refused swaps, and the program still computes the same --
+
+class Refused(Exception):
+    """A swap the backend refused (injected before the real call: nothing happened)."""
+
+
+class RefusingSwap:
+    """The SwapManager, refusing the swap-ins and swap-outs whose call numbers are in ``fail``."""
+
+    def __init__(self, manager, fail):
+        self._manager, self._fail, self._calls = manager, set(fail), 0
+
+    def _maybe_refuse(self, what):
+        self._calls += 1
+        if self._calls in self._fail:
+            raise Refused(f"{what} call {self._calls} refused")
+
+    def swap_in(self, key, stream=0):
+        self._maybe_refuse("swap_in")
+        return self._manager.swap_in(key, stream=stream)
+
+    def swap_out(self, ptr, stream=0):
+        self._maybe_refuse("swap_out")
+        return self._manager.swap_out(ptr, stream=stream)
+
+    def __getattr__(self, name):
+        return getattr(self._manager, name)
+
+
+def _retrying(fn):
+    for _ in range(50):
+        try:
+            return fn()
+        except Refused:
+            continue
+    raise AssertionError("refused 50 times in a row")
+
+
+def _faulty_program(rt, sizes, steps, iterations):
+    """Like test_runtime's random programs, retrying whatever a refused swap failed: an
+    allocation, an iteration's start, a function's entry (its body then runs on the retry);
+    a function whose exit failed has run."""
+    from vmalloc.offload import numpy_training as nt
+
+    pers = [_retrying(lambda s=s: rt.allocate(s)) for s in sizes]
+    for k, p in enumerate(pers):
+        def init(p=p, k=k):
+            with rt.function(writes=[p]) as ptrs:
+                nt.view(ptrs, p, (p.nbytes // 4,))[...] = k + 1
+        _retrying(init)
+    sums = []
+    for it in range(iterations):
+        _retrying(rt.begin_iteration)
+        live = list(pers)
+        for a, b, kind in steps:
+            src = live[a % len(live)]
+            if kind == "new":
+                dst = _retrying(lambda: rt.allocate(MiB))
+                live.append(dst)
+            else:
+                dst = live[b % len(live)]
+            ran = []
+            while not ran:
+                try:
+                    with rt.function(reads=[src], writes=[dst], name=kind) as ptrs:
+                        s = nt.view(ptrs, src, (MiB // 4,))
+                        d = nt.view(ptrs, dst, (MiB // 4,))
+                        d[...] = s * 0.5 + (it + 1)
+                        ran.append(float(d.sum()))
+                except Refused:
+                    pass
+            sums.append(ran[0])
+        for buf in live[len(pers):]:
+            rt.deallocate(buf)
+        _retrying(rt.end_iteration)
+    return sums
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_refused_swaps_anywhere_leave_the_runtime_usable_and_the_results_exact(data):
+    sizes = data.draw(st.lists(st.sampled_from([MiB, 2 * MiB]), min_size=1, max_size=3))
+    steps = data.draw(st.lists(st.tuples(st.integers(0, 7), st.integers(0, 7),
+                                         st.sampled_from(["new", "old"])),
+                               min_size=1, max_size=8))
+    iterations = data.draw(st.integers(2, 3))
+    ref = _faulty_program(host_runtime(capacity="64MiB", scheduler="none"), sizes, steps,
+                          iterations)
+    fail = data.draw(st.sets(st.integers(1, 60), max_size=8))
+    dev = vmalloc.HostDevice(capacity="32MiB", granularity="2MiB")
+    alloc = vmalloc.VirtualAllocator(dev, chunk_size="2MiB")
+    rt = Runtime(alloc, budget="6MiB", swap=RefusingSwap(offload.SwapManager(alloc), fail))
+    assert _faulty_program(rt, sizes, steps, iterations) == ref
+    assert not rt.in_iteration and not rt.in_function
+    assert rt.stats()["peak_device_bytes"] <= 6 * MiB
