@@ -7,6 +7,7 @@ public. Small devices: every test takes well under a second."""
 import warnings
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import vmalloc
 from vmalloc import offload, testing
@@ -433,9 +434,6 @@ def _faulty_program(rt, sizes, steps, iterations):
             rt.deallocate(buf)
         _retrying(rt.end_iteration)
     return sums
-
-
-from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
 @settings(max_examples=20, deadline=None)
