@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 import vmalloc
 from vmalloc import offload, testing
-from vmalloc.errors import InvalidArgumentError, OutOfMemoryError
+from vmalloc.errors import InvalidArgumentError, InvalidPointerError, OutOfMemoryError
 from vmalloc.offload import Buffer, BudgetWarning, Runtime, ScheduleError
 from vmalloc.offload.runtime import STATS_KEYS
 
@@ -221,6 +221,13 @@ def test_adopted_memory_on_a_relocating_placement_stays_resident(kind, nbytes):
     rt.allocator.deallocate(ptr)                 # the framework frees its own address
     for b in others:
         rt.deallocate(b)
+
+
+def test_adopting_memory_the_allocator_does_not_hold_is_refused_and_changes_nothing():
+    rt = host_runtime("virtual", budget="4MiB")
+    with pytest.raises(InvalidPointerError, match="adopt: 0x40000000 is not a live allocation"):
+        rt.adopt(1 << 30, MiB)
+    assert rt.buffers() == [] and rt.stats()["device_bytes"] == 0
 
 
 def test_adopted_whole_chunks_on_the_virtual_allocator_still_swap():

@@ -95,7 +95,11 @@ class Residency:
         n = parse_size(nbytes, "nbytes")
         if persistent is None:
             persistent = not self._in_iteration
-        movable = not self._relocates(ptr, n)
+        try:
+            movable = not self._relocates(ptr, n)
+        except InvalidPointerError as error:
+            raise InvalidPointerError(f"adopt: {ptr:#x} is not a live allocation of the "
+                                      f"runtime's allocator ({error})") from error
         buf = Buffer(self, self._next_id, n, ptr, persistent=bool(persistent), movable=movable)
         self._next_id += 1
         self._buffers[buf.id] = buf
