@@ -98,8 +98,9 @@ class Recording:
         fn, need = _largest_function(seq)
         where = (f"function {fn} ({seq.functions[fn].name}) needs {need} bytes at once"
                  if fn is not None else "the iteration has no function")
-        message = (f"no schedule fits the budget of {self.budget} bytes: {where} "
-                   f"({error}); iterations run on demand and may exceed the budget")
+        message = (f"no schedule fits the budget of {self.budget} bytes: {where}. The "
+                   f"scheduler said: {error}. Iterations run on demand and may exceed the "
+                   "budget")
         self._schedule_error = message
         self._schedule_need = (seq.functions[fn].name if fn is not None else None, need)
         if self.strict:
