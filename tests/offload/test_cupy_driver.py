@@ -46,3 +46,24 @@ def test_an_array_larger_than_its_buffer_is_refused():
 def test_no_current_allocator_is_a_clear_error():
     with pytest.raises(VmallocError, match="no current vmalloc allocator"):
         vcupy.out_of_core(device=7, stream=0)
+
+
+def test_out_of_core_has_the_shape_of_every_driver():
+    """A context manager with stats() (the common keys, kept after the block), the shared
+    defaults, and every buffer back on the device when it ends."""
+    from vmalloc.offload.runtime import STATS_KEYS
+
+    with make_runtime(budget="4MiB") as rt:
+        assert (rt.persistent, rt.window) == ("auto", None)
+        bufs = [rt.allocate(2 * MiB) for _ in range(3)]
+        assert bufs[0].state == "on_host"
+    assert [b.state for b in bufs] == ["resident"] * 3
+    stats = rt.stats()
+    assert set(STATS_KEYS) <= set(stats)
+    assert stats["budget_bytes"] == 4 * MiB and stats["evictions"] == 1
+
+
+def test_the_documented_import_path_is_the_driver():
+    import vmalloc.frameworks.cupy as driver
+    assert vcupy is driver
+    from vmalloc.cupy import VmallocCupyAllocator, use_vmalloc  # noqa: F401

@@ -43,6 +43,9 @@ _EXPORTS = {
     "max_batch": "planner",
     "model_sequence": "models",
     "MODELS": "models",
+    "Runtime": "runtime",
+    "Buffer": "runtime",
+    "BudgetWarning": "runtime",
     "record": "recorder",
     "RecordingError": "recorder",
 }

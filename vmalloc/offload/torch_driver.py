@@ -284,7 +284,7 @@ class OutOfCore:
 
     def __exit__(self, exc_type, exc, tb):
         try:
-            if self.runtime._in_iteration:
+            if self.runtime.in_iteration:
                 self._end_iteration(failed=exc_type is not None)
         finally:
             self._hook.remove()
@@ -335,34 +335,27 @@ class OutOfCore:
             if self._tracked(t):
                 buf = self._storages.buffer(t.untyped_storage(), persistent=True)
                 buf.persistent = True   # adopted as transient before its optimizer stepped
-        self.runtime._begin_iteration()
+        self.runtime.begin_iteration()
 
     def _end_iteration(self, failed=False):
         self._storages.collect()
-        self.runtime._end_iteration(failed=failed)
+        self.runtime.end_iteration(failed=failed)
 
     def _after_optimizer_step(self, optimizer, args, kwargs):
         new = optimizer not in self._optimizers
         self._optimizers.add(optimizer)
-        if self.runtime._in_iteration and not self._manual:
+        if self.runtime.in_iteration and not self._manual:
             self._end_iteration()
         if new:
             # First sight of this optimizer: its parameters and state were recorded as
             # transient, so the record is wrong: record again next iteration.
-            self.runtime._diverge()
+            self.runtime.invalidate("an optimizer was first seen after its parameters were "
+                                    "recorded as transient")
 
     def _restore_all(self):
         """Leaving: every tracked storage back on the device, the backend's copies dropped."""
-        rt = self.runtime
-        rt.budget = None      # everything comes back, whatever the budget
         self._storages.collect()
-        for buf in list(rt._buffers.values()):
-            if buf.where == "swapping_out":
-                rt._wait(buf)
-            if buf.where == "on_host":
-                rt._swap_in(buf, on_demand=True)
-            if buf.where == "swapping_in":
-                rt._wait(buf)
+        self.runtime.restore_all()   # whatever the budget, which keeps its value for stats()
 
     def _dispatch(self, func, args, kwargs):
         from torch.utils._pytree import tree_flatten
@@ -408,7 +401,7 @@ class OutOfCore:
         return out
 
     def _ensure_iteration(self):
-        if not self.runtime._in_iteration and not self._manual:
+        if not self.runtime.in_iteration and not self._manual:
             self._begin_iteration()
 
     def _new_buffers(self, tensors, known_bufs):

@@ -1,0 +1,134 @@
+"""Recording: the first iteration (and the first after the program changed) runs on demand
+while the runtime notes its functions and allocations; at its end the record becomes a
+:class:`~vmalloc.offload.FunctionSequence` and is scheduled. A budget no schedule fits is said
+once (a warning naming the function and the bytes it needs, ``stats()["schedule_error"]``), or
+raised under ``strict=True``."""
+
+from __future__ import annotations
+
+import warnings
+
+
+class BudgetWarning(UserWarning):
+    """The runtime cannot keep its budget promise (no schedule fits, or the budget exceeds the
+    device): it says so once, then runs on demand."""
+
+
+class Recording:
+    """The recording half of :class:`~vmalloc.offload.Runtime` (a mixin)."""
+
+    def _note_transient(self, buf):
+        k = len(self._iter_allocs)
+        self._iter_allocs.append(buf)
+        if self._recording:
+            self._record_allocs.append(buf)
+        elif self._following and k < len(self._transient_vars):
+            v = self._transient_vars[k]
+            recorded = self._sequence.variables[v].nbytes
+            if buf.footprint > recorded:
+                # Larger than planned: the schedule's budget no longer holds.
+                self._diverge(f"allocation {k} of the iteration has {buf.nbytes} bytes; the "
+                              f"record has {recorded}")
+                return
+            self._var_of_buf[buf.id] = v
+            self._buf_of_var[v] = buf
+
+    def _start_record(self):
+        self._record_funcs = []
+        self._record_allocs = []
+        self._record_persistent = [b for b in self._buffers.values() if b.persistent]
+
+    def _build_schedule(self):
+        from vmalloc.offload.sequence import FunctionSequence
+        from vmalloc.offload.schedule import ScheduleError
+
+        seq = FunctionSequence(name="runtime")
+        var_of = {}
+        # A buffer adopted during the iteration that the driver marked persistent before it
+        # ended (it outlives the iteration: nnabla's uncleared arrays) is recorded persistent.
+        promoted = [b for b in self._record_allocs if b.persistent]
+        self._record_persistent = self._record_persistent + [
+            b for b in promoted if b not in self._record_persistent]
+        self._record_allocs = [b for b in self._record_allocs if not b.persistent]
+        for buf in self._record_persistent:
+            if buf.alive:
+                var_of[id(buf)] = seq.add_variable(buf.footprint, persistent=True,
+                                                   name=f"b{buf.id}")
+        for k, buf in enumerate(self._record_allocs):
+            var_of[id(buf)] = seq.add_variable(buf.footprint, persistent=False,
+                                               name=f"t{k}")
+        for name, reads, writes in self._record_funcs:
+            seq.add_function(inputs=[var_of[id(b)] for b in reads if id(b) in var_of],
+                             outputs=[var_of[id(b)] for b in writes if id(b) in var_of],
+                             name=name)
+        had_schedule = self._sequence is not None or self._stats["recorded_iterations"] > 1
+        self._sequence = seq
+        self._persistent_vars = {buf.id: var_of[id(buf)] for buf in self._record_persistent
+                                 if id(buf) in var_of}
+        for buf in self._record_persistent:
+            buf.var = var_of.get(id(buf))
+        self._transient_vars = [var_of[id(b)] for b in self._record_allocs]
+        modes = ["resident", "swap"] if self.persistent == "auto" else [self.persistent]
+        for mode in modes:
+            try:
+                scheduler = self._make_scheduler(mode)
+                self._schedule = scheduler.schedule(seq)
+                # LMS and vDNN take no budget: their plans are checked for the rules only
+                # (on demand, eviction keeps the budget around them).
+                budgetless = self._scheduler_spec in ("lms", "vdnn")
+                self._schedule.check(seq, None if budgetless else self.budget)
+                self.last_schedule_error = None
+                break
+            except ScheduleError as error:
+                # This budget cannot be scheduled (so): run on demand, which evicts as needed.
+                self._schedule = None
+                self.last_schedule_error = error
+        if had_schedule:
+            self._stats["reschedules"] += 1
+        if self._schedule is None:
+            self._stats["schedule_failures"] += 1
+            self._unschedulable(seq, self.last_schedule_error)
+        else:
+            self._schedule_error = None
+
+    def _unschedulable(self, seq, error):
+        """Says (once) that no schedule fits; raises under ``strict``."""
+        from vmalloc.offload.schedule import ScheduleError
+
+        fn, need = _largest_function(seq)
+        where = (f"function {fn} ({seq.functions[fn].name}) needs {need} bytes at once"
+                 if fn is not None else "the iteration has no function")
+        message = (f"no schedule fits the budget of {self.budget} bytes: {where}. The "
+                   f"scheduler said: {error}. Iterations run on demand and may exceed the "
+                   "budget")
+        self._schedule_error = message
+        self._schedule_need = (seq.functions[fn].name if fn is not None else None, need)
+        if self.strict:
+            raise ScheduleError(message, function=fn)
+        if not self._warned_unschedulable:
+            self._warned_unschedulable = True
+            warnings.warn(message, BudgetWarning, stacklevel=4)
+
+    def _make_scheduler(self, persistent):
+        spec = self._scheduler_spec
+        if hasattr(spec, "schedule"):
+            return spec
+        from vmalloc.offload.schedulers import make_scheduler
+        if spec == "none" or (spec == "window" and self.budget is None):
+            # No budget (a backend without a device, and none given): nothing need swap.
+            return make_scheduler("none")
+        if spec == "window":
+            return make_scheduler("window", window=self.window or self.budget,
+                                  budget=self.budget, persistent=persistent)
+        return make_scheduler(spec)
+
+
+def _largest_function(seq):
+    """(index, device bytes) of the function whose distinct variables take the most bytes:
+    no budget below it can run that function."""
+    best, need = None, 0
+    for i, f in enumerate(seq.functions):
+        n = sum(seq.variables[v].nbytes for v in set(f.inputs) | set(f.outputs))
+        if best is None or n > need:
+            best, need = i, n
+    return best, need
