@@ -358,7 +358,9 @@ void VirtualAllocator::drop_reservation_if_empty(Reservation* res) {
 // deallocate
 
 void VirtualAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t stream) {
+  const stream_t caller_stream = stream;
   if (!admit_free(ptr, stream)) return;
+  if (observe_free(ptr, nbytes, caller_stream)) return;  // a SwapManager took it over
   std::lock_guard<std::mutex> lock(mutex_);
   const std::size_t slot = live_.find_slot(ptr);  // valid until live_ changes below
   if (slot == live_.npos) throw_invalid_pointer(ptr, "deallocate");
