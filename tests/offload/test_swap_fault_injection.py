@@ -23,6 +23,7 @@ ALLOCATORS = {
     "virtual": lambda d: vmalloc.VirtualAllocator(d),
     "virtual-packed": lambda d: vmalloc.VirtualAllocator(d, placement="packed"),
     "caching": lambda d: vmalloc.CachingAllocator(d),
+    "expandable-segments": lambda d: vmalloc.CachingAllocator(d, expandable_segments=True),
 }
 
 
@@ -187,6 +188,7 @@ PAIR_ALLOCATORS = {
     "virtual-packed": lambda d: vmalloc.VirtualAllocator(d, chunk_size="64KiB",
                                                          placement="packed"),
     "caching": lambda d: vmalloc.CachingAllocator(d),
+    "expandable-segments": lambda d: vmalloc.CachingAllocator(d, expandable_segments=True),
 }
 
 PAIR_SCENARIOS = SCENARIOS

@@ -19,6 +19,8 @@ KINDS = {
     "virtual-small": (lambda d: vmalloc.VirtualAllocator(d), 1000),
     "packed": (lambda d: vmalloc.VirtualAllocator(d, placement="packed"), 3 * MiB),
     "caching": (lambda d: vmalloc.CachingAllocator(d), 3 * MiB),
+    "expandable-segments": (lambda d: vmalloc.CachingAllocator(d, expandable_segments=True),
+                            3 * MiB),
 }
 
 
