@@ -3,7 +3,8 @@
 Two 24 MiB "models" share a 32 MiB emulated device. Each one is swapped out to pinned host
 memory (vLLM's sleep mode) while the other runs; the VirtualAllocator keeps their pointers,
 because their chunks are unmapped and remapped at the same addresses. A small tensor in the
-allocator's arena relocates instead. Prints the states, the pointers and the counters.
+allocator's arena relocates instead. Frees through the allocator (a framework's path) drop
+what the manager held for them. Prints the states, the pointers and the counters.
 
 Run: python examples/swap_manager.py
 """
@@ -62,8 +63,16 @@ def main():
           f"{s['swap_ins']} swap-ins, {s['cancelled_swap_outs']} cancelled, "
           f"{s['oom_retries']} waits for in-flight swap-outs, "
           f"peak pinned host memory {s['peak_host_bytes_in_use'] / MiB:.0f} MiB")
-    for p in (b, small):
-        swap.deallocate(p)
+    # A framework frees through the allocator it was given, not the manager: a free of a
+    # sleeping allocation still drops its record and its host copy at once.
+    swap.swap_out(b)
+    swap.wait(b)
+    va.deallocate(b)                 # e.g. PyTorch's free callback on the VirtualAllocator
+    print(f"B freed while asleep: {swap.stats()['on_host']} on host, "
+          f"{swap.stats()['host_bytes_in_use']} bytes of pinned memory held")
+    # Or hand the framework the manager itself: every free then goes through it.
+    view = swap.as_allocator()       # a vmalloc.Allocator (set_current_allocator, use_vmalloc)
+    view.deallocate(small)
 
 
 if __name__ == "__main__":

@@ -650,6 +650,7 @@ void CachingAllocator::return_to_pool(Block* block) {
 
 void CachingAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t stream) {
   device_->check_stream_alive(stream, "CachingAllocator.deallocate");
+  if (observe_free(ptr, nbytes, stream)) return;  // a SwapManager took it over
   stream = detail::stream_key(stream);
   if (ptr == 0) return;
   std::lock_guard<std::mutex> lock(mutex_);

@@ -378,7 +378,9 @@ std::size_t PackedVirtualAllocator::unmapped_in(const Reservation* res, std::siz
 // deallocate
 
 void PackedVirtualAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t stream) {
+  const stream_t caller_stream = stream;
   if (!admit_free(ptr, stream)) return;
+  if (observe_free(ptr, nbytes, caller_stream)) return;  // a SwapManager took it over
   std::lock_guard<std::mutex> lock(mutex_);
   const std::size_t slot = live_.find_slot(ptr);  // one probe: found here, erased below
   if (slot == detail::FlatPtrMap::npos) throw_invalid_pointer(ptr, "deallocate");

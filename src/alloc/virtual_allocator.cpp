@@ -358,7 +358,9 @@ void VirtualAllocator::drop_reservation_if_empty(Reservation* res) {
 // deallocate
 
 void VirtualAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t stream) {
+  const stream_t caller_stream = stream;
   if (!admit_free(ptr, stream)) return;
+  if (observe_free(ptr, nbytes, caller_stream)) return;  // a SwapManager took it over
   std::lock_guard<std::mutex> lock(mutex_);
   const std::size_t slot = live_.find_slot(ptr);  // valid until live_ changes below
   if (slot == live_.npos) throw_invalid_pointer(ptr, "deallocate");
@@ -595,6 +597,24 @@ void VirtualAllocator::unmap_backing(device_ptr ptr, stream_t stream, bool synch
   for (physical_handle h : handles) pool_.give_back(h);  // capacity reserved: cannot throw
 }
 
+void VirtualAllocator::unmap_leftovers(Range* r) {
+  // A map_backing whose mapping failed and whose rollback cuMemUnmap failed too left its
+  // first chunks mapped (inaccessible) in the unbacked range's slots. Mapping over them would
+  // fail forever ("overlaps the mapping") and the data on host would never come back: unmap
+  // them first, and the pool takes them back as unmap_backing gives chunks back.
+  Reservation* res = r->reservation;
+  std::size_t m = 0;
+  while (m < r->count && res->handles[r->first + m] != 0) ++m;
+  if (m == 0) return;
+  pool_.reserve_cache(m);                                 // give_back below cannot throw
+  device_->unmap(address_of(r), m * chunk_size_);         // may throw: nothing changed
+  for (std::size_t i = r->first; i < r->first + m; ++i) {
+    pool_.give_back(res->handles[i]);
+    res->handles[i] = 0;
+  }
+  res->mapped -= m;
+}
+
 void VirtualAllocator::map_backing(device_ptr ptr, stream_t stream) {
   std::lock_guard<std::mutex> lock(mutex_);
   Range* r = live_range(ptr, "map_backing");
@@ -603,6 +623,7 @@ void VirtualAllocator::map_backing(device_ptr ptr, stream_t stream) {
                           " is backed (not swapped out)");
   const std::size_t k = r->count;
   const std::size_t nbytes = r->requested;
+  unmap_leftovers(r);  // a double fault in an earlier map_backing; may throw: nothing changed
   counting_out_of_memory([&] {
     // Feasibility first, as allocate() decides it: free chunks anywhere count.
     require_chunks(k, stealable_chunks(), nbytes, /*backing=*/ptr);

@@ -94,9 +94,11 @@ SwapManager::SwapManager(std::shared_ptr<Allocator> allocator, const SwapManager
   d2h_.device = device_.get();
   h2d_.handle = create_copy_stream(*device_);  // on failure d2h_ is destroyed (RAII)
   h2d_.device = device_.get();
+  watch();
 }
 
 SwapManager::~SwapManager() {
+  unwatch();  // first, without the mutex: a free in progress in the Watcher takes it
   std::lock_guard<std::mutex> lock(mutex_);
   // Copies in flight read or write host blocks: they must finish before the blocks go.
   try {
@@ -165,7 +167,7 @@ void SwapManager::release_out(device_ptr ptr, Record& r) {
   // The copy has completed, and it was ordered after the caller's work before swap_out: no
   // work uses the memory any more, so no further host wait.
   if (r.relocating)
-    allocator_->deallocate(r.device_addr, r.nbytes, r.stream);
+    upstream_deallocate(r.device_addr, r.nbytes, r.stream);
   else
     chunks_->unmap_backing(ptr, r.stream, /*synchronize=*/false);
   r.device_held = false;
@@ -453,7 +455,7 @@ device_ptr SwapManager::swap_in_locked(device_ptr ptr, stream_t stream,
     try {
       if (queued) device_->synchronize_stream(h2d_.handle);
       if (r->relocating)
-        allocator_->deallocate(p, r->nbytes, stream);
+        upstream_deallocate(p, r->nbytes, stream);
       else
         chunks_->unmap_backing(r->key, stream, /*synchronize=*/false);
       r->device_held = false;
@@ -488,7 +490,7 @@ device_ptr SwapManager::swap_in_locked(device_ptr ptr, stream_t stream,
 }
 
 // ---------------------------------------------------------------------------------------------
-// wait, state, deallocate, poll
+// wait, state, poll
 
 void SwapManager::wait(device_ptr ptr, stream_t stream) {
   std::unique_lock<std::mutex> lock(mutex_);
@@ -514,29 +516,6 @@ SwapState SwapManager::state(device_ptr ptr) {
   if (const Record* r = find(ptr)) return r->state;
   allocator_->allocation_size(ptr);  // InvalidPointer for an unknown pointer
   return SwapState::resident;
-}
-
-void SwapManager::deallocate(device_ptr ptr, stream_t stream) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  poll_locked(false);
-  Record* r = find(ptr);
-  if (r == nullptr) {
-    allocator_->deallocate(ptr, unknown_size, stream);  // resident: the allocator's own
-    return;
-  }
-  check_not_busy(ptr, *r, "deallocate");
-  if (r->done != 0) {
-    // A copy is in flight on this memory and host block: let it finish first.
-    wait_busy(lock, *r);
-  }
-  if (r->device_held)
-    allocator_->deallocate(r->device_addr, r->nbytes, stream);
-  else if (!r->relocating)
-    allocator_->deallocate(r->key, r->nbytes, stream);  // the unbacked range
-  r->device_held = false;
-  host_.deallocate(r->host);
-  events_.release(r->done);
-  erase_record(*r);
 }
 
 std::size_t SwapManager::poll() {
@@ -605,16 +584,10 @@ std::size_t SwapManager::swap_in_all(stream_t stream,
   return n;
 }
 
-device_ptr SwapManager::allocate(std::size_t nbytes, stream_t stream) {
-  // Names of relocated allocations on host are host addresses, never device ones, so any
-  // address the allocator returns is unambiguous.
-  return allocator_->allocate(nbytes, stream);
-}
-
 // ---------------------------------------------------------------------------------------------
 // introspection
 
-SwapStats SwapManager::stats() const {
+SwapStats SwapManager::swap_stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   SwapStats s = stats_;
   s.swapping_out = s.on_host = s.swapping_in = 0;

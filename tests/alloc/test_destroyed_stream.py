@@ -47,5 +47,11 @@ def test_live_and_never_destroyed_streams_are_unaffected(tmp_path):
     allocator = vmalloc.VirtualAllocator(device)
     a, b = device.create_stream(), device.create_stream()
     device.destroy_stream(a)
-    p = allocator.allocate(MiB, stream=b)
-    allocator.deallocate(p, MiB, stream=b)
+    for stream in (b, 0):  # a live stream, and the default stream
+        p = allocator.allocate(MiB, stream=stream)
+        assert p != 0 and allocator.allocation_size(p) == MiB
+        assert allocator.stats().live_allocations == 1
+        allocator.deallocate(p, MiB, stream=stream)
+        assert allocator.stats().live_allocations == 0
+    with pytest.raises(vmalloc.InvalidArgumentError, match="was destroyed"):
+        allocator.allocate(MiB, stream=a)  # only the destroyed one is refused

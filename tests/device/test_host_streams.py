@@ -5,6 +5,7 @@ released, so "not yet run" is a certainty, not a race.
 """
 
 import ctypes
+import gc
 import threading
 
 import pytest
@@ -252,10 +253,16 @@ def test_blocking_and_non_blocking_streams_together(dev):
 def test_synchronize_stream_waits_only_for_that_stream(dev):
     held = dev.create_stream()
     free = dev.create_stream()
+    on_held, on_free = dev.create_event(), dev.create_event()
     hold = dev.hold_stream(held)
-    dev.synchronize_stream(free)  # returns: nothing queued on it
+    dev.record_event(on_held, held)
+    dev.record_event(on_free, free)
+    dev.synchronize_stream(free)  # returns: only the held stream is blocked
+    assert dev.query_event(on_free) is True
+    assert dev.query_event(on_held) is False  # not waited for, still queued
     dev.release_hold(hold)
     dev.synchronize()
+    assert dev.query_event(on_held) is True
 
 
 # --- handles ------------------------------------------------------------------------------
@@ -370,14 +377,26 @@ def test_pinned_memory_freed_before_execution_is_a_fault(dev):
     assert info.value.code == ILLEGAL_ADDRESS
 
 
+def _memfd_mappings():
+    with open("/proc/self/maps") as maps:
+        return sum("memfd:" in line for line in maps)
+
+
 def test_destroying_a_device_with_held_and_queued_work():
+    gc.collect()  # devices of earlier tests go now, not during this one
+    before = _memfd_mappings()
     dev = HostDevice()
     s = dev.create_stream()
     p = mapped(dev, G)
     addr, _ = pinned(dev, b"y" * 64)
     dev.hold_stream(s)
     dev.copy_to_device(p, addr, 64, s)
-    del dev  # releases the hold, drains, unmaps: no hang, no crash
+    queued = dev.create_event()
+    dev.record_event(queued, s)
+    assert dev.query_event(queued) is False  # the copy is held, still queued
+    assert _memfd_mappings() > before
+    del dev  # releases the hold, drains, unmaps: no hang (pytest-timeout), no crash
+    assert _memfd_mappings() <= before  # the device's memory is gone with it
 
 
 # --- threads ------------------------------------------------------------------------------

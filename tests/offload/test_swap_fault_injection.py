@@ -23,7 +23,15 @@ ALLOCATORS = {
     "virtual": lambda d: vmalloc.VirtualAllocator(d),
     "virtual-packed": lambda d: vmalloc.VirtualAllocator(d, placement="packed"),
     "caching": lambda d: vmalloc.CachingAllocator(d),
+    "expandable-segments": lambda d: vmalloc.CachingAllocator(d, expandable_segments=True),
 }
+
+
+_PERIOD = bytes((i * 7 + 3) & 0xFF for i in range(256))
+
+
+def _pattern(size):
+    return (_PERIOD * (size // 256 + 1))[:size]
 
 
 class World:
@@ -33,7 +41,7 @@ class World:
         self.swap = offload.SwapManager(self.allocator)
         self.size = size
         self.ptr = self.allocator.allocate(size)
-        self.data = bytes((i * 7 + 3) & 0xFF for i in range(size))
+        self.data = _pattern(size)
         self.device.write(self.ptr, self.data)
 
     def recover(self):
@@ -164,3 +172,105 @@ def test_every_driver_call_of_a_swap_failing_once(emu, scenario, kind, size):
         except Exception as error:  # noqa: BLE001
             failures.append(f"{where}: afterwards {type(error).__name__}: {error}")
     assert not failures, "\n".join(failures)
+
+
+# --- every pair of faults -------------------------------------------------------------------
+# A fault and a second one anywhere in the same operation, its rollback included (the second
+# fault ranges over the calls of the run faulted once, so rollback calls such as cuMemUnmap
+# after a failed cuMemSetAccess are paired too). Small chunks keep each world cheap: a
+# chunk-owning allocation of 3 chunks of 64 KiB, and a small block.
+
+KiB = 1 << 10
+
+PAIR_ALLOCATORS = {
+    "virtual": lambda d: vmalloc.VirtualAllocator(d, chunk_size="64KiB",
+                                                  small_threshold="32KiB"),
+    "virtual-packed": lambda d: vmalloc.VirtualAllocator(d, chunk_size="64KiB",
+                                                         placement="packed"),
+    "caching": lambda d: vmalloc.CachingAllocator(d),
+    "expandable-segments": lambda d: vmalloc.CachingAllocator(d, expandable_segments=True),
+}
+
+PAIR_SCENARIOS = SCENARIOS
+
+
+class PairWorld(World):
+    def __init__(self, kind, size):
+        self.device = testing.emulated_cuda_device(capacity="4MiB", granularity="64KiB")
+        self.allocator = PAIR_ALLOCATORS[kind](self.device)
+        self.swap = offload.SwapManager(self.allocator)
+        self.size = size
+        self.ptr = self.allocator.allocate(size)
+        self.data = _pattern(size)
+        self.device.write(self.ptr, self.data)
+
+
+def _sites(before, after, skip=()):
+    return [(name, k) for name in testing.FAULTABLE_CALLS
+            for k in range(1, after[name] - before[name] + 1) if (name, k) not in skip]
+
+
+def _pairs(emu, kind, size, warm_up, operation):
+    """Every unordered pair of call sites: the first from a clean run, the second from the
+    run with the first failing."""
+    world = PairWorld(kind, size)
+    warm_up(world)
+    before = _calls(emu)
+    operation(world)
+    first_sites = _sites(before, _calls(emu))
+    world.recover()
+    world.teardown(emu)
+    pairs = set()
+    for first in first_sites:
+        world = PairWorld(kind, size)
+        warm_up(world)
+        before = _calls(emu)
+        emu.set_fault(first[0], first[1], testing.failure_code(first[0]))
+        try:
+            operation(world)
+        except vmalloc.VmallocError:
+            pass
+        emu.clear_faults()
+        after = _calls(emu)
+        for second in _sites(before, after, skip=(first,)):
+            pairs.add(tuple(sorted((first, second))))
+        world.recover()
+        world.teardown(emu)
+    return sorted(pairs)
+
+
+@pytest.mark.parametrize("size", [160 * KiB, 1000], ids=["chunks", "small"])
+@pytest.mark.parametrize("kind", list(PAIR_ALLOCATORS))
+@pytest.mark.parametrize("scenario", list(PAIR_SCENARIOS))
+def test_every_pair_of_driver_calls_failing(emu, scenario, kind, size):
+    """Whatever two calls fail (a rollback's own call included), the data comes back once the
+    faults stop, the books agree with the device, and nothing leaks."""
+    warm_up, operation = PAIR_SCENARIOS[scenario]
+    pairs = _pairs(emu, kind, size, warm_up, operation)
+    assert pairs
+    failures = []
+    for (n1, k1), (n2, k2) in pairs:
+        world = PairWorld(kind, size)
+        warm_up(world)
+        where = f"{scenario}, {kind}, {size} bytes: {n1} #{k1} and {n2} #{k2} failing"
+        emu.set_fault(n1, k1, testing.failure_code(n1))
+        emu.set_fault(n2, k2, testing.failure_code(n2))
+        try:
+            operation(world)
+        except vmalloc.VmallocError:
+            pass
+        except Exception as error:  # noqa: BLE001 - anything else is a bug
+            failures.append(f"{where}: raised {type(error).__name__}: {error}")
+        emu.clear_faults()
+        try:
+            assert world.allocator.stats().reserved_bytes == world.device.physical_bytes_in_use
+            world.recover()  # no data lost
+            warm_up(world)
+            operation(world)  # and the operation now succeeds
+            world.recover()
+            world.teardown(emu)
+        except AssertionError as error:
+            failures.append(f"{where}: {error}")
+        except Exception as error:  # noqa: BLE001
+            failures.append(f"{where}: afterwards {type(error).__name__}: {error}")
+    assert not failures, f"{len(failures)} of {len(pairs)} pairs:\n" + "\n".join(failures)

@@ -81,8 +81,16 @@ def test_round_trip_of_a_three_chunk_allocation_makes_exactly_these_calls(make_d
     assert (c["chunks_unbacked"], c["unbacked_ranges"], c["chunks_in_pool"], c["chunks_live"]) == (3, 1, 3, 0)
 
     before = calls(dev)
-    assert swap.swap_in(p) == p  # the same pointer
-    swap.wait(p)
+    # The copy is held on the manager's H2D stream until wait() has run, so wait() always
+    # finds it in flight and queues the caller's device-side wait (a copy that had already
+    # landed would be retired by wait()'s poll first, skipping that cuStreamWaitEvent).
+    release = hold(dev, swap.streams[1])
+    try:
+        assert swap.swap_in(p) == p  # the same pointer
+        assert swap.state(p) == "swapping_in"
+        swap.wait(p)
+    finally:
+        release()
     dev.synchronize()
     swap.poll()
     assert swap.state(p) == "resident"

@@ -1,6 +1,7 @@
 """The SwapManager under random operations (hypothesis), on the emulated device and on the
 driver emulator, over every allocator kind: allocate, write a pattern, swap out, swap in,
-wait, read back, deallocate, swap_out_all / swap_in_all, on three streams.
+wait, read back, deallocate (through the manager or straight through the allocator),
+swap_out_all / swap_in_all, on three streams.
 
 After every step: bytes are identical after each round trip, chunk-owning virtual
 allocations keep their pointer, chunk accounting is exact, a swapped-out chunk-owning range
@@ -135,6 +136,20 @@ def make_machine(make_device, make_allocator):
             o = self.objs.pop(k)
             self.swap.deallocate(o["ptr"], self.streams[s])
 
+        @rule(i=INDEX, s=st.integers(0, 2))
+        def free_through_the_allocator(self, i, s):
+            # A framework's free callback: the allocator, not the manager; the record and
+            # the host copy must go with it (issue 15, defect 2).
+            k = self.pick(i, ("resident", "in", "out"))
+            if k is None:
+                return
+            o = self.objs.pop(k)
+            ptr = o["ptr"]
+            live = {x["ptr"] for x in self.objs.values()}
+            if o["where"] == "out" and not o["owns"] and o["orig"] not in live:
+                ptr = o["orig"]  # its old address still names it: nobody else has it
+            self.allocator.deallocate(ptr, stream=self.streams[s])
+
         @rule(s=st.integers(0, 2))
         def swap_out_all(self, s):
             keys = self.swap.swap_out_all(self.streams[s])
@@ -174,6 +189,13 @@ def make_machine(make_device, make_allocator):
                       "out": ("swapping_out", "on_host")}
             for o in self.objs.values():
                 assert self.swap.state(o["ptr"]) in expect[o["where"]], o
+
+        @invariant()
+        def no_stale_records(self):
+            st_ = self.swap.stats()
+            out = sum(1 for o in self.objs.values() if o["where"] == "out")
+            assert st_["swapping_out"] + st_["on_host"] == out
+            assert st_["swapping_in"] <= len(self.objs) - out
 
         @invariant()
         def books(self):

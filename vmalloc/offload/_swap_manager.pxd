@@ -1,12 +1,12 @@
 # SwapManager, the wrapper of vmalloc::SwapManager (vmalloc/_lib/offload/swap_manager.pxd).
-from libcpp.memory cimport unique_ptr
+from libcpp.memory cimport shared_ptr
 
 from vmalloc._allocator cimport Allocator
 from vmalloc._lib.offload.swap_manager cimport CSwapManager
 
 
 cdef class SwapManager:
-    cdef unique_ptr[CSwapManager] c_manager
+    cdef shared_ptr[CSwapManager] c_manager
     cdef readonly Allocator allocator
     cdef bint init_called  # see vmalloc/_init_once.pxd
     cdef CSwapManager* get(self) except NULL

@@ -6,14 +6,15 @@ call that may wait for the manager's lock, a stream or the device releases the G
 """
 
 from libc.stdint cimport uintptr_t
-from libcpp.memory cimport shared_ptr
+from libcpp.memory cimport shared_ptr, static_pointer_cast
 from libcpp.pair cimport pair
 from libcpp.vector cimport vector
 
-from vmalloc._allocator cimport Allocator
+from vmalloc._allocator cimport Allocator, wrap_allocator
 from vmalloc._device cimport stream_handle
 from vmalloc._init_once cimport refuse_second_init
 from vmalloc._lib.alloc.allocator cimport CAllocator
+from vmalloc._lib.base.types cimport unknown_size
 from vmalloc._lib.offload.swap_manager cimport (
     CSwapManager,
     CSwapManagerOptions,
@@ -39,6 +40,13 @@ cdef class SwapManager:
     remapped at the same address. Every other allocation (small blocks, packed placement,
     :class:`vmalloc.CachingAllocator`) relocates: :meth:`swap_in` returns its new pointer.
     See :doc:`swap_manager`.
+
+    Frees: a free of a swapped-out allocation, or of one with a copy in flight, drops its
+    record and host copy at once, whichever way it goes: through :meth:`deallocate`, through
+    :meth:`as_allocator` (register that with a framework so that every free passes here), or
+    straight through ``allocator`` (a framework's free callback on the allocator itself: the
+    manager watches the allocator's frees). :meth:`discard` forgets an allocation without
+    freeing it.
 
     Args:
         allocator: the :class:`vmalloc.Allocator` whose allocations are swapped; its device
@@ -125,14 +133,45 @@ cdef class SwapManager:
             st = m.state(p)
         return swap_state_name(st).decode()
 
-    def deallocate(self, ptr, stream=0):
-        """Frees the allocation at ``ptr`` in any state (waiting for a copy in flight) and
-        drops its host copy; a resident untracked allocation is passed to the allocator."""
+    def deallocate(self, ptr, stream=0, nbytes=None):
+        """Frees the allocation at ``ptr`` (its pointer, or its name while out as
+        :meth:`swap_out` returned it) in any state, waiting for a copy in flight, and drops its
+        host copy; a resident untracked allocation is passed to the allocator. ``nbytes``,
+        when given, must be the size asked for."""
         cdef uintptr_t p = _pointer(ptr)
         cdef uintptr_t s = stream_handle(stream)
+        cdef size_t n = unknown_size if nbytes is None else parse_size(nbytes, "nbytes")
         cdef CSwapManager* m = self.get()
         with nogil:
-            m.deallocate(p, s)
+            m.deallocate(p, n, s)
+
+    def discard(self, ptr):
+        """Forgets the allocation named ``ptr`` (its pointer, or its name while out) without
+        freeing it: its record and host copy go (after a copy in flight has finished), the
+        device memory stays with its owner, who frees it through the allocator (or has). The
+        call for a framework that freed, or is about to free, memory the manager swapped
+        (``Runtime.forget``). Returns True if the manager tracked it, False (nothing changed)
+        otherwise: a free through the allocator has already forgotten it.
+
+        A relocating allocation forgotten while on host has no device memory left, and its
+        data is gone; a chunk-owning one stays live in the allocator, unbacked, until its
+        owner frees it."""
+        cdef uintptr_t p = _pointer(ptr)
+        cdef CSwapManager* m = self.get()
+        cdef bint r
+        with nogil:
+            r = m.discard(p)
+        return r
+
+    def as_allocator(self):
+        """The manager as a :class:`vmalloc.Allocator` over ``allocator`` (RMM's adaptor
+        pattern), for any vmalloc API that takes one (``vmalloc.torch.use_vmalloc``,
+        ``vmalloc.set_current_allocator``): allocations come from ``allocator``, and every free
+        goes through the manager, which also resolves the names of relocated allocations on
+        host. Its stats are the allocator's. It keeps the manager alive."""
+        self.get()
+        return wrap_allocator(static_pointer_cast[CAllocator, CSwapManager](self.c_manager),
+                              self.allocator.device)
 
     def poll(self):
         """Releases the memory of completed swap-outs and the host copies of completed
@@ -215,7 +254,7 @@ cdef class SwapManager:
         cdef CSwapManager* m = self.get()
         cdef CSwapStats s
         with nogil:
-            s = m.stats()
+            s = m.swap_stats()
         return {
             "swap_outs": s.swap_outs,
             "bytes_swapped_out": s.bytes_swapped_out,

@@ -2,8 +2,10 @@
 // replay engine and the C ABI speak it. Implementations are thread-safe.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -13,6 +15,18 @@
 #include "vmalloc/base/types.hpp"
 
 namespace vmalloc {
+
+// Told of every free before an allocator makes it: the SwapManager, so that a free of an
+// allocation it swapped out (the path every framework's free callback takes) drops its
+// record and host copy at once. Implementations are thread-safe.
+class FreeObserver {
+ public:
+  virtual ~FreeObserver() = default;
+  // Called first by deallocate(ptr, nbytes, stream) (ptr != 0), no lock of the allocator
+  // held. Returns true if the observer took the free over: nothing is left at `ptr` for the
+  // allocator to free, and deallocate returns. A throw makes deallocate throw, nothing freed.
+  virtual bool before_free(device_ptr ptr, std::size_t nbytes, stream_t stream) = 0;
+};
 
 class Allocator {
  public:
@@ -51,6 +65,27 @@ class Allocator {
   // "virtual", "caching", ...
   virtual std::string name() const = 0;
   virtual const std::shared_ptr<Device>& device() const = 0;
+
+  // Observers told of every deallocate of this allocator from now on (one that goes to its
+  // upstream directly is not seen). Thread-safe; remove never throws.
+  void add_free_observer(std::shared_ptr<FreeObserver> observer);
+  void remove_free_observer(const FreeObserver* observer) noexcept;
+
+ protected:
+  // The first line of every deallocate: true when an observer took the free over. One
+  // relaxed load when nothing observes.
+  bool observe_free(device_ptr ptr, std::size_t nbytes, stream_t stream) {
+    if (ptr == 0 || !observed_.load(std::memory_order_acquire)) return false;
+    return notify_free(ptr, nbytes, stream);
+  }
+
+ private:
+  bool notify_free(device_ptr ptr, std::size_t nbytes, stream_t stream);
+
+  std::atomic<bool> observed_{false};
+  std::mutex observers_mutex_;
+  // Copied on write: a free reads a snapshot and calls the observers with no lock held.
+  std::shared_ptr<const std::vector<std::shared_ptr<FreeObserver>>> observers_;
 };
 
 }  // namespace vmalloc

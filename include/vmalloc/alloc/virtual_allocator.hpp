@@ -124,6 +124,9 @@ class VirtualAllocator final : public Allocator, private detail::ChunkAllocatorC
   // mapping starts inaccessible) with one cuMemSetAccess. `mapped`: how many are mapped, for
   // the caller's rollback when a call throws.
   void map_run(device_ptr base, const detail::ChunkBatch& batch, std::size_t& mapped);
+  // Unmaps the chunks an earlier map_backing of the unbacked range `r` left mapped (its
+  // rollback failed) and gives them back to the pool. Throws DeviceError, nothing changed.
+  void unmap_leftovers(Range* r);
   // Chunks that stealing may free: those of cached ranges and empty arena chunks.
   std::size_t stealable_chunks() const noexcept { return cached_chunks_ + arena_.empty_chunks(); }
   // Unmaps up to `need` chunks from cached ranges and empty arena chunks into `out`. With

@@ -12,6 +12,12 @@
 // then copies on a host-to-device stream ordered after the caller's stream. The host copy is
 // freed only once the swap-in's copy has completed: no data is ever lost.
 //
+// Frees: the manager is itself an Allocator over its upstream (RMM's adaptor pattern), and
+// it watches the upstream's frees (a FreeObserver). A free of a swapped-out or in-flight
+// allocation, through the manager or straight through the upstream (a framework's free
+// callback), drops the record and the host copy at once, waiting for a copy in flight; the
+// device memory goes to whoever still holds it. discard() forgets one without a free.
+//
 // Thread-safe: one mutex, never held while the host waits for the device.
 #pragma once
 
@@ -58,7 +64,7 @@ struct SwapStats {
   HostStagingStats host;                // the pinned staging pool
 };
 
-class SwapManager {
+class SwapManager final : public Allocator {
  public:
   // Throws InvalidArgument for a null allocator or one that is not backed (no data to copy).
   explicit SwapManager(std::shared_ptr<Allocator> allocator,
@@ -66,7 +72,7 @@ class SwapManager {
   // Waits for the device, then frees every host block, event and stream. Host copies still
   // held are dropped: relocated allocations on host are lost, chunk-owning ones stay live
   // and unbacked in the allocator (deallocate them there).
-  ~SwapManager();
+  ~SwapManager() override;
   SwapManager(const SwapManager&) = delete;
   SwapManager& operator=(const SwapManager&) = delete;
 
@@ -85,8 +91,30 @@ class SwapManager {
   // The state of `ptr` (a tracked pointer, or a live allocation of the allocator: resident).
   // Throws InvalidPointer otherwise.
   SwapState state(device_ptr ptr);
-  // Frees an allocation in any state (waiting for a copy in flight), dropping its host copy.
-  void deallocate(device_ptr ptr, stream_t stream);
+  // --- the Allocator interface: the upstream's, swapped allocations included ---
+  // allocator()->allocate (names of relocated allocations on host are host addresses, never
+  // device ones, so any address it returns is unambiguous).
+  device_ptr allocate(std::size_t nbytes, stream_t stream) override;
+  // Frees an allocation in any state (waiting for a copy in flight), dropping its host copy;
+  // `ptr` is its pointer or its name while out (the key swap_out returned). A resident
+  // untracked one goes to the upstream. nbytes: the size asked for, or unknown_size.
+  void deallocate(device_ptr ptr, std::size_t nbytes, stream_t stream) override;
+  std::size_t release_cached() override { return allocator_->release_cached(); }
+  Stats stats() const override { return allocator_->stats(); }
+  void reset_peak_stats() override { allocator_->reset_peak_stats(); }
+  // A tracked allocation's size (any state), else the upstream's answer.
+  std::size_t allocation_size(device_ptr ptr) const override;
+  // The upstream's, plus relocated allocations on host under their keys.
+  std::vector<std::pair<device_ptr, std::size_t>> live_allocations() const override;
+  std::string name() const override { return "swap"; }
+  const std::shared_ptr<Device>& device() const override { return device_; }
+
+  // Forgets the allocation named `ptr` (its pointer or key): its record and host copy go
+  // (waiting for a copy in flight), the device memory stays with its owner: the allocation
+  // itself is not freed (its owner frees it, or has: a free through the upstream already
+  // forgot it). Device memory only the manager holds (a relocating swap-in rolled back) is
+  // freed. Returns false, changing nothing, for a pointer the manager does not track.
+  bool discard(device_ptr ptr);
   // Releases completed swap-outs and frees host copies of completed swap-ins, without
   // blocking. Returns how many allocations changed state. Also done at the start of every
   // call (errors then deferred to the next explicit poll or wait).
@@ -100,10 +128,8 @@ class SwapManager {
   // pairs to `moved` as it goes (the key as swap_out returned it). Stops at the first error (rethrown); those swapped in before
   // stay swapping in, and `moved` says which (their new pointers). Returns how many.
   std::size_t swap_in_all(stream_t stream, std::vector<std::pair<device_ptr, device_ptr>>& moved);
-  // allocator()->allocate (kept for callers that allocate through the manager).
-  device_ptr allocate(std::size_t nbytes, stream_t stream);
 
-  SwapStats stats() const;
+  SwapStats swap_stats() const;
   // Frees the staging pool's cached host blocks; the bytes freed.
   std::size_t release_cached_host();
   // True if swapping `ptr` (a live allocation) relocates it.
@@ -127,6 +153,7 @@ class SwapManager {
     device_ptr key = 0;        // its key in records_ (the pointer, or a host address)
     device_ptr old_addr = 0;   // relocating: the device address it had, an alias_ entry
   };
+  class Watcher;  // the FreeObserver on the upstream (swap_free.cpp)
   struct Zombie {  // a cancelled swap-out's host block, freed once its copy completes
     void* host;
     event_t done;
@@ -169,8 +196,21 @@ class SwapManager {
   // wait_unlocked for the copy in flight of `r` (its `done` event), `r` marked busy meanwhile.
   void wait_busy(std::unique_lock<std::mutex>& lock, Record& r);
   void wait_for_swap_ins(std::unique_lock<std::mutex>& lock);
+  // Registers the Watcher on the upstream / removes it and waits for calls in progress.
+  void watch();
+  void unwatch() noexcept;
+  // allocator_->deallocate, unobserved by this manager's own Watcher (no re-entry).
+  void upstream_deallocate(device_ptr ptr, std::size_t nbytes, stream_t stream);
+  // The record of `ptr` with no copy in flight (waited for, the mutex released meanwhile),
+  // or nullptr if untracked. Throws for a record another thread works on.
+  Record* settled(std::unique_lock<std::mutex>& lock, device_ptr ptr, const char* operation);
+  // Drops the record and its host copy; the device memory is left to the caller.
+  void drop(Record& r) noexcept;
+  // The Watcher's body: the upstream is about to free `ptr` (see FreeObserver).
+  bool before_upstream_free(device_ptr ptr, std::size_t nbytes, stream_t stream);
 
   const std::shared_ptr<Allocator> allocator_;
+  std::shared_ptr<Watcher> watcher_;  // registered on allocator_ until the destructor
   const std::shared_ptr<Device> device_;
   VirtualAllocator* const chunks_;  // the allocator, when it can unmap in place
   mutable std::mutex mutex_;

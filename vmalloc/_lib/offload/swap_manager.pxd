@@ -41,22 +41,22 @@ cdef extern from "vmalloc/offload/swap_manager.hpp" namespace "vmalloc" nogil:
         size_t events_created
         CHostStagingStats host
 
-    cdef cppclass CSwapManager "vmalloc::SwapManager":
+    # An Allocator too (allocate, deallocate(ptr, nbytes, stream), stats() of the upstream...).
+    cdef cppclass CSwapManager "vmalloc::SwapManager"(CAllocator):
         CSwapManager(shared_ptr[CAllocator] allocator,
                      const CSwapManagerOptions& options) except +vmalloc_raise_py_error
         uintptr_t swap_out(uintptr_t ptr, uintptr_t stream) except +vmalloc_raise_py_error
         uintptr_t swap_in(uintptr_t ptr, uintptr_t stream) except +vmalloc_raise_py_error
         void wait(uintptr_t ptr, uintptr_t stream) except +vmalloc_raise_py_error
         CSwapState state(uintptr_t ptr) except +vmalloc_raise_py_error
-        void deallocate(uintptr_t ptr, uintptr_t stream) except +vmalloc_raise_py_error
+        bool discard(uintptr_t ptr) except +vmalloc_raise_py_error
         size_t poll() except +vmalloc_raise_py_error
         size_t swap_out_all(uintptr_t stream, vector[pair[uintptr_t, uintptr_t]]* keys) \
             except +vmalloc_raise_py_error
         size_t swap_in_all(uintptr_t stream,
                            vector[pair[uintptr_t, uintptr_t]]& moved) \
             except +vmalloc_raise_py_error
-        uintptr_t allocate(size_t nbytes, uintptr_t stream) except +vmalloc_raise_py_error
-        CSwapStats stats() except +vmalloc_raise_py_error
+        CSwapStats swap_stats() except +vmalloc_raise_py_error
         size_t release_cached_host() except +vmalloc_raise_py_error
         bool relocates(uintptr_t ptr) except +vmalloc_raise_py_error
         uintptr_t d2h_stream()
