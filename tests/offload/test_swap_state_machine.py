@@ -145,7 +145,10 @@ def make_machine(make_device, make_allocator):
                 return
             o = self.objs.pop(k)
             ptr = o["ptr"]
+            # Its old address names it only while nobody else has that address: neither a
+            # live allocation nor another relocated one that got it since (and is out too).
             live = {x["ptr"] for x in self.objs.values()}
+            live |= {x.get("orig") for x in self.objs.values() if x["where"] == "out"}
             if o["where"] == "out" and not o["owns"] and o["orig"] not in live:
                 ptr = o["orig"]  # its old address still names it: nobody else has it
             self.allocator.deallocate(ptr, stream=self.streams[s])
