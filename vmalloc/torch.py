@@ -228,9 +228,9 @@ def out_of_core(budget=None, scheduler="window", window=None, backend=None, min_
     which records the first iteration, schedules it (window scheduler by default) and swaps
     storages between the GPU and pinned host memory on dedicated streams at op boundaries.
     ``backend="poison"`` runs the same logic on CPU tensors (see
-    :mod:`vmalloc.offload.torch_driver`). Returns the :class:`OutOfCore` context manager.
+    :mod:`vmalloc.frameworks.torch_out_of_core`). Returns the :class:`OutOfCore` context manager.
     """
-    from vmalloc.offload.torch_driver import out_of_core as _out_of_core
+    from vmalloc.frameworks.torch_out_of_core import out_of_core as _out_of_core
     return _out_of_core(budget=budget, scheduler=scheduler, window=window, backend=backend,
                         min_bytes=min_bytes, device=device, allocator=allocator,
                         persistent=persistent)
@@ -238,7 +238,7 @@ def out_of_core(budget=None, scheduler="window", window=None, backend=None, min_
 
 def __getattr__(name):
     if name == "OutOfCore":
-        from vmalloc.offload.torch_driver import OutOfCore
+        from vmalloc.frameworks.torch_out_of_core import OutOfCore
         return OutOfCore
     raise AttributeError(f"module 'vmalloc.torch' has no attribute {name!r}")
 
