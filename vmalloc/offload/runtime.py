@@ -686,6 +686,59 @@ class Runtime:
             self._pre_actions(self._step)
 
 
+    # --- temporary protocol aliases (dropped at merge: engine's Runtime defines them) -------
+    # The public driver protocol of HELPERS.md over this Runtime's internals, so that the
+    # PyTorch driver touches no private member before the rewritten runtime package lands.
+    @property
+    def in_iteration(self) -> bool:
+        return self._in_iteration
+
+    @property
+    def in_function(self) -> bool:
+        return self._in_function
+
+    def begin_iteration(self):
+        self._begin_iteration()
+
+    def end_iteration(self, failed=False):
+        self._end_iteration(failed=failed)
+
+    def invalidate(self, reason=None):
+        self._diverge(reason)
+
+    def enter_function(self, reads=(), writes=(), name=None):
+        try:
+            return self._enter_function(tuple(reads), tuple(writes), name)
+        except BaseException:
+            # A failed entry (out of memory, a refused swap-in) runs no function.
+            self._in_function = False
+            self._current = None
+            raise
+
+    def exit_function(self, failed=False):
+        self._exit_function()
+
+    def restore_all(self):
+        budget, self.budget = self.budget, None   # everything back, whatever the budget
+        try:
+            for buf in list(self._buffers.values()):
+                if buf.where == "swapping_out":
+                    self._wait(buf)
+                if buf.where == "on_host":
+                    self._swap_in(buf, on_demand=True)
+                if buf.where == "swapping_in":
+                    self._wait(buf)
+        finally:
+            self.budget = budget
+
+    def make_room(self, nbytes) -> bool:
+        n = int(nbytes)
+        while self.budget is not None and self._device_bytes + n > self.budget:
+            if not self._evict_one():
+                return False
+        return True
+
+
 class _Iteration:
     __slots__ = ("rt",)
 
