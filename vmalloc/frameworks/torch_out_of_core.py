@@ -1,39 +1,46 @@
 """Out-of-core training of an unmodified PyTorch training step.
 
-A ``TorchDispatchMode`` sees every aten op with its tensors. Each op becomes a function of the
-:class:`~vmalloc.offload.Runtime`: the storages it reads (and mutates) are made resident before
-it runs, the storages it creates are adopted as transient buffers after, and the runtime runs
-its schedule (swap-outs after functions, swap-ins ahead of them) at those boundaries. An
-iteration ends when an optimizer's ``step()`` returns (or at :meth:`OutOfCore.step`'s end).
+A ``TorchDispatchMode`` sees every aten op with its tensors. Each op that moves data (the rules
+of :mod:`vmalloc.offload.aten_ops`, shared with the recorder) becomes a function of the
+:class:`~vmalloc.offload.Runtime`, driven through its public driver protocol only: the storages
+it reads and writes are made resident before it runs, the storages it creates are adopted as
+transient buffers after, and the runtime runs its schedule (swap-outs after functions, swap-ins
+ahead of them) at those boundaries. An iteration ends when an optimizer's ``step()`` returns
+(or at :meth:`OutOfCore.step`'s end).
 
-Swapping itself is a *backend*:
+**Allocation pressure.** PyTorch allocates an op's outputs itself, before the driver sees
+them; so, under a budget, the driver first works out on the meta device how many bytes of
+tracked outputs the op will create and asks the runtime to make room for them
+(``Runtime.make_room``) before running it. On-demand iterations (recording, or a budget no
+schedule fits) therefore stay within the budget too, as long as one op's own storages fit.
 
-- ``"cuda"``: the :class:`~vmalloc.offload.SwapManager` over the vmalloc allocator PyTorch
-  allocates from (:func:`vmalloc.torch.use_vmalloc`); on the virtual allocator a storage's
-  pointer never changes, so PyTorch never notices. Storages sharing chunks (small-block arena)
-  stay resident below ``min_bytes``.
-- ``"poison"``: for CPU tensors, no GPU needed. A swap-out copies a storage's bytes aside and
-  overwrites the storage with 0xFF bytes (NaN for floats); a swap-in restores them. A schedule
-  that lets an op read a swapped-out storage changes the results, so training losses that are
-  bit-identical to an ordinary run prove the schedule, on CPU, in CI.
+Swapping itself is a *backend* (:mod:`vmalloc.frameworks.torch_swap`): ``"cuda"`` (the
+SwapManager over the vmalloc allocator PyTorch allocates from; only storages that own whole
+chunks are tracked, asked of the allocator, so a swap never moves a pointer) or ``"poison"``
+(CPU tensors, no GPU: a swapped-out storage holds 0xFF bytes until swapped in, so bit-identical
+losses prove the schedule).
 
-Storages the program keeps across iterations (parameters, optimizer state: found through the
-optimizers that step) are persistent; all others are transient and are matched from one
-iteration to the next by the order in which they first appear.
+**Persistent storages.** Parameters and optimizer state (found through the optimizers that
+step) are persistent, and so is every storage an iteration uses that an earlier iteration
+created (an input reused every step, DDP's gradient buckets, gradients kept by
+``zero_grad(set_to_none=False)``), and every storage a collective (``c10d``) op touches; the
+record is redone once when one is found. All other storages are transient and are matched from
+one iteration to the next by the order in which they first appear.
 """
 
 from __future__ import annotations
 
+import sys
+import warnings
 import weakref
-from typing import List
 
 from vmalloc.errors import InvalidArgumentError
+from vmalloc.frameworks.torch_swap import CudaSwap, PoisonSwap
+from vmalloc.frameworks.torch_state import Readers, Storages, make_mode, predicted_bytes
+from vmalloc.offload import aten_ops
 from vmalloc.offload.runtime import Runtime
 
-# Ops that move no data (besides views, which func.is_view tells): not functions.
-_SKIP = frozenset({"empty", "empty_strided", "detach", "alias", "lift_fresh", "sym_size",
-                   "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size",
-                   "_reshape_alias", "set_", "resize_"})
+__all__ = ["CudaSwap", "OutOfCore", "PoisonSwap", "out_of_core"]
 
 
 def _torch():
@@ -45,252 +52,106 @@ def _torch():
     return torch
 
 
-class PoisonSwap:
-    """The ``"poison"`` backend: swaps CPU storages by copying them aside and poisoning them.
-
-    Keys are storage addresses (a CPU storage keeps its address while swapped). Copies are
-    synchronous, so every swap is complete when issued; states still follow the SwapManager's
-    (``swapping_out`` until waited), so the runtime's protocol is exercised in full.
-    """
-
-    def __init__(self):
-        self._storages = {}   # ptr -> storage
-        self._host = {}       # ptr -> saved bytes (a uint8 tensor)
-        self._state = {}      # ptr -> state, absent = resident
-        self._stats = dict(bytes_swapped_out=0, bytes_swapped_in=0, swap_outs=0, swap_ins=0)
-
-    def register(self, ptr, storage):
-        # Weak: the backend must not keep a storage PyTorch has freed alive.
-        self._storages[ptr] = weakref.ref(storage)
-
-    def unregister(self, ptr, storage=None):
-        ref = self._storages.get(ptr)
-        if ref is not None and (storage is None or ref() is None or ref() is storage):
-            del self._storages[ptr]
-
-    def _bytes(self, ptr):
-        """A byte view of the storage at ptr, or None if PyTorch has freed it."""
-        torch = _torch()
-        ref = self._storages.get(ptr)
-        storage = ref() if ref is not None else None
-        if storage is None:
-            return None
-        return torch.empty(0, dtype=torch.uint8).set_(storage)
-
-    def state(self, key):
-        return self._state.get(key, "resident")
-
-    def swap_out(self, ptr, stream=0):
-        from torch.utils._python_dispatch import _disable_current_modes
-        if self.state(ptr) != "resident":
-            raise InvalidArgumentError(f"swap_out: {ptr:#x} is {self.state(ptr)}")
-        with _disable_current_modes():
-            view = self._bytes(ptr)
-            if view is None:
-                raise InvalidArgumentError(f"swap_out: the storage at {ptr:#x} was freed")
-            self._host[ptr] = view.clone()
-            view.fill_(255)
-        self._state[ptr] = "swapping_out"
-        self._stats["bytes_swapped_out"] += view.numel()
-        self._stats["swap_outs"] += 1
-        return ptr
-
-    def wait(self, key, stream=0):
-        state = self.state(key)
-        if state == "swapping_out":
-            self._state[key] = "on_host"
-        elif state == "swapping_in":
-            del self._state[key]
-        else:
-            raise InvalidArgumentError(f"wait: {key:#x} has no copy in flight ({state})")
-
-    def swap_in(self, key, stream=0):
-        from torch.utils._python_dispatch import _disable_current_modes
-        state = self.state(key)
-        if state not in ("on_host", "swapping_out"):
-            raise InvalidArgumentError(f"swap_in: {key:#x} is {state}")
-        with _disable_current_modes():
-            view = self._bytes(key)
-            if view is None:
-                raise InvalidArgumentError(f"swap_in: the storage at {key:#x} was freed")
-            view.copy_(self._host.pop(key))
-        if state == "swapping_out":
-            del self._state[key]      # cancelled: nothing left in flight
-        else:
-            self._state[key] = "swapping_in"
-            self._stats["bytes_swapped_in"] += view.numel()
-            self._stats["swap_ins"] += 1
-        return key
-
-    def discard(self, key):
-        self._host.pop(key, None)
-        self._state.pop(key, None)
-
-    def stats(self):
-        out = dict(self._stats)
-        out["host_bytes"] = sum(t.numel() for t in self._host.values())
-        return out
-
-
-class CudaSwap:
-    """The ``"cuda"`` backend: the :class:`~vmalloc.offload.SwapManager` over the vmalloc
-    allocator PyTorch allocates from, keyed by storage pointers (stable on the virtual
-    allocator). While a storage is not resident the backend holds it, so PyTorch cannot free
-    memory whose bytes are on the host; the hold ends when its swap-in is waited."""
-
-    def __init__(self, manager):
-        self.manager = manager
-        self._weak = {}     # ptr -> storage weakref
-        self._held = {}     # ptr -> storage, while not resident
-
-    def register(self, ptr, storage):
-        self._weak[ptr] = weakref.ref(storage)
-
-    def unregister(self, ptr, storage=None):
-        if ptr not in self._held:
-            self._weak.pop(ptr, None)
-
-    def state(self, key):
-        return self.manager.state(key)
-
-    def swap_out(self, ptr, stream=0):
-        ref = self._weak.get(ptr)
-        storage = ref() if ref is not None else None
-        self.manager.swap_out(ptr, stream=stream)
-        if storage is not None:
-            self._held[ptr] = storage
-        return ptr
-
-    def wait(self, key, stream=0):
-        swapping_in = self.manager.state(key) == "swapping_in"
-        self.manager.wait(key, stream=stream)
-        if swapping_in:
-            self._held.pop(key, None)
-
-    def swap_in(self, key, stream=0):
-        ptr = self.manager.swap_in(key, stream=stream)
-        if ptr != key:
-            raise InvalidArgumentError(
-                f"the storage at {key:#x} was relocated to {ptr:#x}: PyTorch's pointers must "
-                "not move; use the virtual allocator (chunk placement) and min_bytes above "
-                "its small_threshold")
-        if self.manager.state(ptr) == "resident":
-            self._held.pop(ptr, None)
-        return ptr
-
-    def discard(self, key):
-        # A held storage cannot have been freed; nothing else reaches here.
-        self._held.pop(key, None)
-
-    def stats(self):
-        return self.manager.stats()
-
-
-class _Storages:
-    """Storage -> runtime buffer, with finalizers that report freed storages."""
-
-    def __init__(self, driver):
-        self.driver = driver
-        self.by_key = {}        # id(storage) -> (buffer, storage weakref)
-        self.dead: List[int] = []
-
-    def buffer(self, storage, persistent=None):
-        key = id(storage)
-        entry = self.by_key.get(key)
-        if entry is not None and entry[1]() is storage:
-            return entry[0]
-        rt = self.driver.runtime
-        ptr = storage.data_ptr()
-        buf = rt.adopt(ptr, storage.nbytes(), persistent=persistent)
-        backend = self.driver.backend
-        if hasattr(backend, "register"):
-            backend.register(ptr, storage)
-        self.by_key[key] = (buf, weakref.ref(storage))
-        weakref.finalize(storage, self.dead.append, key)
-        return buf
-
-    def collect(self):
-        """Forgets the buffers of storages PyTorch freed (deferred: finalizers run anywhere)."""
-        while self.dead:
-            key = self.dead.pop()
-            entry = self.by_key.pop(key, None)
-            if entry is None:
-                continue
-            buf = entry[0]
-            self.driver.runtime.forget(buf)
-            backend = self.driver.backend
-            if hasattr(backend, "unregister"):
-                backend.unregister(buf.ptr)   # only if no live storage took the address
+def _runtime_takes_strict():
+    import inspect
+    return "strict" in inspect.signature(Runtime.__init__).parameters
 
 
 class OutOfCore:
     """Out-of-core training for the training steps run inside it (see the module docs).
 
     Args:
-        budget: device bytes the tracked storages may hold at once (int or "12GiB").
+        budget: device bytes the tracked storages may hold at once (int or "12GiB"). None:
+            the device's capacity less a margin for ``"cuda"``; no limit for ``"poison"``
+            (nothing is swapped).
         scheduler, window: as for :class:`~vmalloc.offload.Runtime`.
-        backend: ``"cuda"`` (default when PyTorch allocates CUDA memory from vmalloc),
-            ``"poison"`` (CPU tensors), or an object with the SwapManager's methods.
-        min_bytes: storages smaller than this stay resident and untracked (default 64 KiB).
+        backend: ``"cuda"`` (default when PyTorch has CUDA), ``"poison"`` (CPU tensors), or
+            an object with the backends' methods (:mod:`vmalloc.frameworks.torch_swap`).
+        min_bytes: storages smaller than this stay resident and untracked (default 64 KiB;
+            with ``"cuda"`` never below what the allocator places in whole chunks).
         device: ``"cuda"`` or ``"cpu"``: which tensors are tracked (default from backend).
-        persistent: ``"resident"`` (default: parameters and optimizer state stay on the
-            device) or ``"swap"`` (they swap too, as in the paper).
+        allocator: the vmalloc allocator PyTorch allocates from (``"cuda"``; default the
+            current one).
+        persistent: ``"auto"`` (default, as every driver: parameters and optimizer state stay
+            resident if that schedule fits the budget, else they swap too), ``"resident"`` or
+            ``"swap"`` (as in the paper).
+        strict: raise when no schedule fits the budget, instead of warning once and running
+            on demand.
     """
 
     def __init__(self, budget=None, scheduler="window", window=None, backend=None,
-                 min_bytes=64 << 10, device=None, allocator=None, persistent="resident"):
+                 min_bytes=64 << 10, device=None, allocator=None, persistent="auto",
+                 strict=False):
         torch = _torch()
         if backend is None:
             backend = "cuda" if torch.cuda.is_available() else "poison"
         self.device_type = device or ("cpu" if backend == "poison" else "cuda")
+        alloc, stream = None, 0
         if backend == "poison":
             self.backend = PoisonSwap()
-            self.runtime = Runtime(None, budget=budget, scheduler=scheduler, window=window,
-                                   swap=self.backend, host_compute=False,
-                                   persistent=persistent)
         elif backend == "cuda":
             from vmalloc import get_current_allocator
             from vmalloc.offload import SwapManager
-            alloc = allocator or get_current_allocator(torch.cuda.current_device())
+            cuda = torch.cuda.is_available()
+            alloc = allocator or get_current_allocator(torch.cuda.current_device() if cuda
+                                                       else 0)
             if alloc is None:
                 raise InvalidArgumentError(
                     "backend='cuda' needs PyTorch to allocate from vmalloc: call "
                     "vmalloc.torch.use_vmalloc(...) before the first CUDA tensor")
-            self.backend = CudaSwap(SwapManager(alloc))
-            self.runtime = Runtime(alloc, budget=budget, scheduler=scheduler, window=window,
-                                   swap=self.backend, host_compute=False,
-                                   stream=torch.cuda.current_stream().cuda_stream,
-                                   persistent=persistent)
+            self.backend = CudaSwap(SwapManager(alloc), alloc)
+            stream = torch.cuda.current_stream().cuda_stream if cuda else 0
+        elif isinstance(backend, str):
+            raise InvalidArgumentError(
+                f"backend must be 'cuda', 'poison' or a swap backend object, got {backend!r}")
         else:
             self.backend = backend
-            self.runtime = Runtime(None, budget=budget, scheduler=scheduler, window=window,
-                                   swap=backend, host_compute=False, persistent=persistent)
-        self.min_bytes = int(min_bytes)
-        self._storages = _Storages(self)
-        # Storages PyTorch freed are forgotten before the runtime acts at any boundary.
-        self.runtime.at_boundary = self._storages.collect
+        self.min_bytes = max(int(min_bytes), getattr(self.backend, "min_bytes", 0))
+        if budget is None and alloc is None and scheduler == "window" and window is None:
+            scheduler = "none"    # no budget and no device: nothing needs to leave
+        options = dict(budget=budget, scheduler=scheduler, window=window, swap=self.backend,
+                       host_compute=False, stream=stream, persistent=persistent)
+        self._runtime_says = _runtime_takes_strict()
+        if self._runtime_says:
+            options["strict"] = strict
+        self.strict = bool(strict)
+        self.runtime = Runtime(alloc, **options)
+        self._storages = Storages(self)
+        self._readers = Readers(self)
         self._mode = None
         self._hook = None
         self._optimizers = weakref.WeakSet()
         self._manual = False
+        self._iteration = 0            # iterations begun
+        self._promote = []             # buffers found long-lived, made persistent next begin
+        self._collective = set()       # ids of buffers a collective op touched
+        self._said = set()             # warnings given (each once)
+        self._counts = dict(over_budget_ops=0, promoted_storages=0)
+        self._peak = None
 
     # --- user API -------------------------------------------------------------------------
     def __enter__(self):
         from torch.optim.optimizer import register_optimizer_step_post_hook
-        self._mode = _OffloadMode(self)
+        self._peak = None
+        self._mode = make_mode(self)
         self._mode.__enter__()
         self._hook = register_optimizer_step_post_hook(self._after_optimizer_step)
+        self._readers.install()
         return self
 
     def __exit__(self, exc_type, exc, tb):
         try:
-            if self.runtime._in_iteration:
+            if self.runtime.in_iteration:
                 self._end_iteration(failed=exc_type is not None)
         finally:
+            self._readers.remove()
             self._hook.remove()
             self._mode.__exit__(exc_type, exc, tb)
             self._mode = None
-        self._restore_all()
+            self._storages.collect()
+            # The peak is the training's: bringing everything back on leaving is not counted.
+            self._peak = self.runtime.stats()["peak_device_bytes"]
+            self.runtime.restore_all()
         return False
 
     def step(self):
@@ -305,21 +166,37 @@ class OutOfCore:
                 return driver
 
             def __exit__(self, exc_type, exc, tb):
-                driver._end_iteration(failed=exc_type is not None)
-                driver._manual = False
+                try:
+                    if driver.runtime.in_iteration:
+                        driver._end_iteration(failed=exc_type is not None)
+                finally:
+                    driver._manual = False
                 return False
         return _Step()
 
     def stats(self) -> dict:
-        return self.runtime.stats()
+        """The runtime's statistics, plus ``over_budget_ops`` (ops whose own storages did
+        not fit the budget) and ``promoted_storages`` (storages found long-lived). After the
+        block every value stays as it was (``peak_device_bytes``: the peak inside the block;
+        bringing everything back on leaving is not counted)."""
+        out = self.runtime.stats()
+        out.update(self._counts)
+        if self._peak is not None:
+            out["peak_device_bytes"] = self._peak
+        return out
 
-    # --- internals ----------------------------------------------------------------------
+    # --- iterations -----------------------------------------------------------------------
     def _tracked(self, t):
-        torch = _torch()
-        return (isinstance(t, torch.Tensor) and t.device.type == self.device_type
-                and not t.is_sparse and t.untyped_storage().nbytes() >= self.min_bytes)
+        torch = sys.modules["torch"]
+        if not isinstance(t, torch.Tensor) or t.device.type != self.device_type \
+                or t.layout != torch.strided:
+            return False
+        s = t.untyped_storage()
+        n = s.nbytes()
+        return n >= self.min_bytes and self.backend.tracks(s.data_ptr(), n) \
+            if hasattr(self.backend, "tracks") else n >= self.min_bytes
 
-    def _persistent_storages(self):
+    def _persistent_tensors(self):
         """Parameters and optimizer state of the optimizers seen so far."""
         out = []
         for opt in list(self._optimizers):
@@ -330,125 +207,169 @@ class OutOfCore:
         return out
 
     def _begin_iteration(self):
+        rt = self.runtime
         self._storages.collect()
-        for t in self._persistent_storages():
+        promote = [b for b in self._promote if b.alive]
+        self._promote = []
+        for t in self._persistent_tensors():
             if self._tracked(t):
-                buf = self._storages.buffer(t.untyped_storage(), persistent=True)
-                buf.persistent = True   # adopted as transient before its optimizer stepped
-        self.runtime._begin_iteration()
+                buf = self._storages.known(t.untyped_storage())
+                if buf is None:
+                    self._make_room(t.untyped_storage().nbytes())
+                    self._storages.buffer(t.untyped_storage(), persistent=True)
+                elif not buf.persistent:
+                    promote.append(buf)   # adopted as transient before its optimizer stepped
+        for buf in dict.fromkeys(promote):
+            self._storages.make_persistent(buf)
+        if promote:
+            self._counts["promoted_storages"] += len(promote)
+            rt.invalidate(f"{len(promote)} storage(s) outlive their iteration: persistent now")
+        self._iteration += 1
+        rt.begin_iteration()
 
     def _end_iteration(self, failed=False):
         self._storages.collect()
-        self.runtime._end_iteration(failed=failed)
+        before = self.runtime.stats().get("schedule_failures", 0)
+        self.runtime.end_iteration(failed=failed)
+        if not self._runtime_says and self.runtime.stats().get("schedule_failures", 0) > before:
+            self._unschedulable()
+
+    def _unschedulable(self):
+        """The runtime of this tree does not say that no schedule fits: say it (once)."""
+        from vmalloc.offload.schedule import ScheduleError
+        error = getattr(self.runtime, "last_schedule_error", None)
+        message = (f"no schedule fits the budget of {self.runtime.budget} bytes ({error}); "
+                   "iterations run on demand and may exceed the budget")
+        if self.strict:
+            raise ScheduleError(message)
+        self._say("unschedulable", message)
+
+    def _say(self, what, message, category=UserWarning):
+        if what not in self._said:
+            self._said.add(what)
+            warnings.warn(message, category, stacklevel=4)
 
     def _after_optimizer_step(self, optimizer, args, kwargs):
         new = optimizer not in self._optimizers
         self._optimizers.add(optimizer)
-        if self.runtime._in_iteration and not self._manual:
+        if self.runtime.in_iteration and not self._manual:
             self._end_iteration()
         if new:
             # First sight of this optimizer: its parameters and state were recorded as
             # transient, so the record is wrong: record again next iteration.
-            self.runtime._diverge()
-
-    def _restore_all(self):
-        """Leaving: every tracked storage back on the device, the backend's copies dropped."""
-        rt = self.runtime
-        rt.budget = None      # everything comes back, whatever the budget
-        self._storages.collect()
-        for buf in list(rt._buffers.values()):
-            if buf.where == "swapping_out":
-                rt._wait(buf)
-            if buf.where == "on_host":
-                rt._swap_in(buf, on_demand=True)
-            if buf.where == "swapping_in":
-                rt._wait(buf)
-
-    def _dispatch(self, func, args, kwargs):
-        from torch.utils._pytree import tree_flatten
-        if func.is_view or func.overloadpacket.__name__ in _SKIP:
-            return func(*args, **kwargs)
-        name = str(func)
-        rt = self.runtime
-        self._storages.collect()
-        schema_args = func._schema.arguments
-        values = list(args) + [kwargs.get(a.name) for a in schema_args[len(args):]
-                               if a.name in kwargs]
-        tracked = []      # (tensor, is_write)
-        for i, value in enumerate(values):
-            is_write = (i < len(schema_args) and schema_args[i].alias_info is not None
-                        and schema_args[i].alias_info.is_write)
-            for t in tree_flatten(value)[0]:
-                if self._tracked(t):
-                    tracked.append((t, is_write))
-        if not tracked:
-            # Nothing tracked to make resident: run the op, then report what it created.
-            out = func(*args, **kwargs)
-            outs = [t for t in tree_flatten(out)[0] if self._tracked(t)]
-            if outs:
-                self._ensure_iteration()
-                new = self._new_buffers(outs, ())
-                with rt.function(writes=new, name=name):
-                    pass
-            return out
-        self._ensure_iteration()      # before adopting: inside an iteration, transient
-        reads, writes = [], []
-        for t, is_write in tracked:
-            buf = self._storages.buffer(t.untyped_storage())
-            if buf not in reads:
-                reads.append(buf)
-            if is_write and buf not in writes:
-                writes.append(buf)
-        with rt.function(reads=reads, writes=writes, name=name):
-            out = func(*args, **kwargs)
-            new = self._new_buffers([t for t in tree_flatten(out)[0] if self._tracked(t)],
-                                    reads)
-            if new:
-                rt.add_writes(new)
-        return out
+            self.runtime.invalidate("a new optimizer stepped: its state is persistent")
 
     def _ensure_iteration(self):
-        if not self.runtime._in_iteration and not self._manual:
+        if not self.runtime.in_iteration and not self._manual:
             self._begin_iteration()
 
-    def _new_buffers(self, tensors, known_bufs):
-        known = set(id(b) for b in known_bufs)
+    def _fail_iteration(self):
+        """An op raised (out of memory...): the iteration ends here, failed, so that the
+        program may catch the error and go on (say, with a smaller batch)."""
+        if self.runtime.in_iteration and not self._manual:
+            self.runtime.end_iteration(failed=True)
+
+    def _make_room(self, nbytes):
+        if nbytes and self.runtime.budget is not None and not self.runtime.make_room(nbytes):
+            return False
+        return True
+
+    # --- ops ------------------------------------------------------------------------------
+    def _dispatch(self, func, args, kwargs):
+        if not aten_ops.is_function(func):
+            return func(*args, **kwargs)
+        rt = self.runtime
+        storages = self._storages
+        storages.collect()
+        if self._readers.check_compiled and self._iteration <= 3:
+            self._readers.compiled_region()
+        accessed = [(t, r, w) for t, r, w in aten_ops.accesses(func, args, kwargs)
+                    if self._tracked(t)]
+        fresh = predicted_bytes(self, func, args, kwargs)   # None: unknown
+        if not accessed and not fresh:
+            out = func(*args, **kwargs)
+            outs = self._fresh_tensors(func, out)
+            if not outs:
+                return out
+            self._ensure_iteration()
+            return self._run(func, (), (), lambda: out, 0, outs=outs)
+        self._ensure_iteration()
+        unknown = sum({s.data_ptr(): s.nbytes() for s in
+                       (t.untyped_storage() for t, _, _ in accessed)
+                       if storages.known(s) is None}.values())
+        self._make_room(unknown)     # storages that exist already but were never seen
+        reads, writes = [], []
+        for t, read, written in accessed:
+            buf = storages.buffer(t.untyped_storage())
+            if storages.iteration_of(buf) < self._iteration and not buf.persistent:
+                self._promote.append(buf)
+            if read and buf not in reads:
+                reads.append(buf)
+            if written and buf not in writes:
+                writes.append(buf)
+        return self._run(func, reads, writes, lambda: func(*args, **kwargs), fresh or 0)
+
+    def _run(self, func, reads, writes, call, fresh, outs=None):
+        """One op as one function of the runtime."""
+        rt = self.runtime
+        name = str(func)
+        entered = False
+        try:
+            rt.enter_function(reads, writes, name=name)
+            entered = True
+            if fresh and not self._make_room(fresh):
+                self._counts["over_budget_ops"] += 1
+            out = call()
+            if func.namespace == "c10d":
+                self._collective_done(out, reads, writes)
+            if outs is None:
+                outs = self._fresh_tensors(func, out)
+            new = self._new_buffers(outs, set(map(id, reads)) | set(map(id, writes)))
+            if new:
+                rt.add_writes(new)
+        except BaseException:
+            if entered and rt.in_function:
+                rt.exit_function(failed=True)
+            self._fail_iteration()
+            raise
+        rt.exit_function()
+        self._storages.collect()
+        return out
+
+    def _collective_done(self, out, reads, writes):
+        """A collective's Work runs on the backend's own thread: its tensors must stay where
+        they are until it completes, so the function waits for it (on CPU with gloo;
+        with NCCL see the docs), and its storages (DDP's buckets) are persistent."""
+        for item in (out if isinstance(out, (tuple, list)) else (out,)):
+            wait = getattr(item, "wait", None)
+            if callable(wait) and not hasattr(item, "untyped_storage"):
+                wait()
+        for buf in list(reads) + list(writes):
+            if not buf.persistent:
+                self._promote.append(buf)
+
+    def _fresh_tensors(self, func, out):
+        from torch.utils._pytree import tree_flatten
+        if aten_ops.fresh_returns(func) == 0:
+            return []
+        return [t for t in tree_flatten(out)[0] if self._tracked(t)]
+
+    def _new_buffers(self, tensors, known):
         new = []
         for t in tensors:
-            buf = self._storages.buffer(t.untyped_storage())
+            s = t.untyped_storage()
+            if self._storages.known(s) is not None:
+                continue     # an alias of a storage the driver tracks already
+            buf = self._storages.buffer(s)
             if id(buf) not in known:
                 known.add(id(buf))
                 new.append(buf)
         return new
 
 
-def _make_mode_class():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class _OffloadModeImpl(TorchDispatchMode):
-        def __init__(self, driver):
-            super().__init__()
-            self.driver = driver
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            return self.driver._dispatch(func, args, kwargs or {})
-
-    return _OffloadModeImpl
-
-
-_mode_class = None
-
-
-def _OffloadMode(driver):
-    global _mode_class
-    if _mode_class is None:
-        _mode_class = _make_mode_class()
-    return _mode_class(driver)
-
-
 def out_of_core(budget=None, scheduler="window", window=None, backend=None,
                 min_bytes=64 << 10, device=None, allocator=None,
-                persistent="resident") -> OutOfCore:
+                persistent="auto", strict=False) -> OutOfCore:
     """Turns on out-of-core training for the steps run inside ``with``::
 
         with vmalloc.torch.out_of_core(budget="12GiB") as ooc:
@@ -458,4 +379,4 @@ def out_of_core(budget=None, scheduler="window", window=None, backend=None,
     """
     return OutOfCore(budget=budget, scheduler=scheduler, window=window, backend=backend,
                      min_bytes=min_bytes, device=device, allocator=allocator,
-                     persistent=persistent)
+                     persistent=persistent, strict=strict)
