@@ -120,5 +120,5 @@ def is_accumulation(func, args, kwargs) -> bool:
     if torch.is_grad_enabled() or torch._C._current_graph_task_id() == -1:
         return False   # not the engine accumulating (or a double-backward graph is built)
     return (a.shape == b.shape and a.dtype == b.dtype and a.layout == torch.strided
-            and b.layout == torch.strided and a.is_non_overlapping_and_dense()
-            and a.device == b.device)
+            and b.layout == torch.strided and a.device == b.device
+            and (a.is_contiguous() or a.is_contiguous(memory_format=torch.channels_last)))
