@@ -318,7 +318,7 @@ class OutOfCore:
             rt.enter_function(reads, writes, name=name)
             entered = True
             if fresh and not self._make_room(fresh):
-                self._counts["over_budget_ops"] += 1
+                self._over_budget(name, fresh)
             out = call()
             if func.namespace == "c10d":
                 self._collective_done(out, reads, writes)
@@ -335,6 +335,16 @@ class OutOfCore:
         rt.exit_function()
         self._storages.collect()
         return out
+
+    def _over_budget(self, name, fresh):
+        """The op's own storages do not fit the budget: said once; raised under strict."""
+        from vmalloc.errors import OutOfMemoryError
+        self._counts["over_budget_ops"] += 1
+        message = (f"{name} needs {fresh} bytes for its outputs besides its inputs: more than "
+                   f"the budget of {self.runtime.budget} bytes leaves; it runs above the budget")
+        if self.strict:
+            raise OutOfMemoryError(message, requested_bytes=fresh)
+        self._say("over_budget", message)
 
     def _collective_done(self, out, reads, writes):
         """A collective's Work runs on the backend's own thread: its tensors must stay where
