@@ -112,22 +112,31 @@ def test_an_unmeetable_budget_is_said_once_and_strict_raises():
                 step(model, opt, x, y)
 
 
-def test_out_of_memory_then_a_smaller_batch_works():
+@pytest.mark.parametrize("strict", [False, True], ids=["warn", "strict"])
+def test_out_of_memory_then_a_smaller_batch_works(strict):
     """Defect 3: an OOM in a function's entry left the runtime wedged ("functions do not
-    nest"); the program catches it and retries with a smaller batch."""
+    nest"); the program catches it and retries with a smaller batch. A batch whose single ops
+    exceed the budget raises OutOfMemoryError: from the runtime, at the entry of a function
+    whose inputs cannot come back, or (strict) from the driver before such an op runs."""
     small = batches(3, batch=64)
-    ref, ref_model, _ = train(small)
     big = batches(1, batch=8192)
     model, opt = make()
-    losses = []
-    with vtorch.out_of_core(backend="poison", device="cpu", budget="4MiB") as driver:
-        with pytest.raises(OutOfMemoryError):
+    losses, raised = [], False
+    with vtorch.out_of_core(backend="poison", device="cpu", budget="4MiB",
+                            strict=strict) as driver:
+        try:
             step(model, opt, *big[0])
+        except OutOfMemoryError:
+            raised = True
         opt.zero_grad()
         for x, y in small:
             losses.append(step(model, opt, x, y))
-    assert losses == ref and same_weights(model, ref_model)
+    assert raised or not strict
+    # without an error the big batch trained (above the budget, said); so does the reference
+    ref, ref_model, _ = train(small if raised else big + small)
+    assert losses == (ref if raised else ref[1:]) and same_weights(model, ref_model)
     assert driver.stats()["iterations"] == 4
+    assert driver.stats()["over_budget_ops"] >= 1
 
 
 def test_reused_input_becomes_persistent_and_the_schedule_is_followed():
