@@ -204,9 +204,11 @@ class Readers:
             return
         driver._storages.collect()
         if tensors is None:
-            bufs = [e[0] for e in driver._storages.by_ptr.values()]
-        else:
-            bufs = driver._storages.buffers(tensors)
+            # torch.save reads every storage while it pickles: all of them back at once,
+            # whatever the budget (the next function's eviction restores it).
+            rt.restore_all()
+            return
+        bufs = driver._storages.buffers(tensors)
         bufs = [b for b in bufs if b.alive and b.state != "resident"]
         if not bufs:
             return
