@@ -244,9 +244,13 @@ class OutOfCore:
             raise ScheduleError(message)
         self._say("unschedulable", message)
 
-    def _say(self, what, message, category=UserWarning):
+    def _say(self, what, message, budget=True):
+        """Says a broken promise once per block (about the budget: the Runtime's
+        BudgetWarning where it has one, a UserWarning)."""
+        import vmalloc.offload.runtime as runtime
         if what not in self._said:
             self._said.add(what)
+            category = getattr(runtime, "BudgetWarning", UserWarning) if budget else UserWarning
             warnings.warn(message, category, stacklevel=4)
 
     def _after_optimizer_step(self, optimizer, args, kwargs):
