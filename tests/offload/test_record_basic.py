@@ -291,3 +291,31 @@ def test_gradient_accumulation_is_recorded_as_eager_pytorch_runs_it():
         sorted(n.split(".")[1] for n in recorded)
     assert recorded.count("aten.add_.Tensor") == eager.count("aten::add_") == 1
     assert len(recorded) == forward_adds + 2
+
+
+class Tied(nn.Module):
+    """An embedding whose weight is also the output layer's (GPT-2's tied embeddings)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.ln = nn.LayerNorm(16)
+
+    def forward(self, idx):
+        return F.linear(self.ln(self.emb(idx)), self.emb.weight)
+
+
+def test_tied_weight_gradient_is_accumulated_out_of_place_as_in_eager():
+    """The output layer's weight gradient arrives as a view, which eager PyTorch never adds
+    into in place (the view shares its storage with its base)."""
+    from torch.profiler import profile
+
+    torch.manual_seed(0)
+    model = Tied()
+    idx = torch.randint(0, 50, (2, 8))
+    with profile() as prof:
+        model(idx).sum().backward()
+    eager = [e.name for e in prof.events() if e.name in ("aten::add", "aten::add_")]
+    seq = record(model, idx, optimizer=None)
+    recorded = [f.name for f in seq.functions if f.name.startswith("aten.add")]
+    assert eager == ["aten::add"] and recorded == ["aten.add.Tensor"]

@@ -107,9 +107,9 @@ def fresh_returns(func) -> int:
 def is_accumulation(func, args, kwargs) -> bool:
     """Whether the op is autograd adding one gradient into another out of place where eager
     PyTorch would add in place: ``aten.add.Tensor`` of two dense tensors of one shape, dtype
-    and layout, alpha 1, run by the autograd engine with grad mode off. The caller checks the
-    last condition eager checks: nothing else holds the first operand (it is never used
-    again)."""
+    and layout, alpha 1, run by the autograd engine with grad mode off, the first not a view.
+    The caller checks the last condition eager checks: nothing else holds the first operand
+    (it is never used again)."""
     import torch
 
     if str(func) != "aten.add.Tensor" or kwargs.get("alpha", 1) != 1 or len(args) != 2:
@@ -119,6 +119,9 @@ def is_accumulation(func, args, kwargs) -> bool:
         return False
     if torch.is_grad_enabled() or torch._C._current_graph_task_id() == -1:
         return False   # not the engine accumulating (or a double-backward graph is built)
-    return (a.shape == b.shape and a.dtype == b.dtype and a.layout == torch.strided
+    # A view shares its storage with its base, which eager's use-count test refuses (the tied
+    # embedding of GPT-2: the output layer's weight gradient arrives as a view).
+    return (not a._is_view() and a.shape == b.shape and a.dtype == b.dtype
+            and a.layout == torch.strided
             and b.layout == torch.strided and a.device == b.device
             and (a.is_contiguous() or a.is_contiguous(memory_format=torch.channels_last)))
