@@ -237,7 +237,7 @@ def check_out_of_memory(device=None):
 
 
 def out_of_core(budget=None, scheduler="window", window=None, backend=None, min_bytes=64 << 10,
-                device=None, allocator=None, persistent="resident"):
+                device=None, allocator=None, persistent="auto", strict=False):
     """Out-of-core training of the training steps run inside ``with`` (one call turns it on)::
 
         vmalloc.torch.use_vmalloc(vmalloc.VirtualAllocator(vmalloc.CudaDevice(0)))
@@ -250,17 +250,19 @@ def out_of_core(budget=None, scheduler="window", window=None, backend=None, min_
     which records the first iteration, schedules it (window scheduler by default) and swaps
     storages between the GPU and pinned host memory on dedicated streams at op boundaries.
     ``backend="poison"`` runs the same logic on CPU tensors (see
-    :mod:`vmalloc.offload.torch_driver`). Returns the :class:`OutOfCore` context manager.
+    :mod:`vmalloc.frameworks.torch_out_of_core`). ``persistent`` defaults to ``"auto"``, as
+    in every driver; ``strict=True`` raises when no schedule fits the budget (otherwise that
+    is said once, with a warning). Returns the :class:`OutOfCore` context manager.
     """
-    from vmalloc.offload.torch_driver import out_of_core as _out_of_core
+    from vmalloc.frameworks.torch_out_of_core import out_of_core as _out_of_core
     return _out_of_core(budget=budget, scheduler=scheduler, window=window, backend=backend,
                         min_bytes=min_bytes, device=device, allocator=allocator,
-                        persistent=persistent)
+                        persistent=persistent, strict=strict)
 
 
 def __getattr__(name):
     if name == "OutOfCore":
-        from vmalloc.offload.torch_driver import OutOfCore
+        from vmalloc.frameworks.torch_out_of_core import OutOfCore
         return OutOfCore
     raise AttributeError(f"module 'vmalloc.torch' has no attribute {name!r}")
 

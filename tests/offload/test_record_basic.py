@@ -247,3 +247,75 @@ def test_package_attribute_is_the_function():
         model = Tiny()
     seq = off.record(model, tiny_inputs(2), F.mse_loss)
     assert len(seq) == len(EXPECTED)
+
+
+class Fan(nn.Module):
+    """h feeds two branches (its gradient is accumulated) and a residual add (its gradient is
+    shared, so eager accumulates out of place there)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+        self.d = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        g = self.b(h) * self.c(h)          # two mm backwards: fresh gradients, add_ in eager
+        return self.d(g) + g               # a residual: the gradient is shared, add in eager
+
+
+def _adds(names):
+    return sorted(n for n in names if n.split(".")[-2] in ("add", "add_")
+                  or n.split("::")[-1] in ("add", "add_"))
+
+
+def test_gradient_accumulation_is_recorded_as_eager_pytorch_runs_it():
+    """Issue 16: under a dispatch mode autograd accumulates out of place (aten.add.Tensor);
+    eager PyTorch adds in place (aten::add_) where it holds the only reference. The recorded
+    backward has the adds the profiler sees in eager mode, in place and out of place."""
+    from torch.profiler import profile
+
+    torch.manual_seed(0)
+    model = Fan()
+    x = torch.randn(4, 8)
+    with profile() as prof:
+        model(x).sum().backward()
+    eager = [e.name for e in prof.events() if e.name in ("aten::add", "aten::add_")]
+    seq = record(model, x, optimizer=None)
+    recorded = [f.name for f in seq.functions if f.name in ("aten.add.Tensor",
+                                                             "aten.add_.Tensor")]
+    forward_adds = 1    # the residual add of the forward pass (out of place in both)
+    assert sorted(e.replace("aten::", "") for e in eager) == \
+        sorted(n.split(".")[1] for n in recorded)
+    assert recorded.count("aten.add_.Tensor") == eager.count("aten::add_") == 1
+    assert len(recorded) == forward_adds + 2
+
+
+class Tied(nn.Module):
+    """An embedding whose weight is also the output layer's (GPT-2's tied embeddings)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.ln = nn.LayerNorm(16)
+
+    def forward(self, idx):
+        return F.linear(self.ln(self.emb(idx)), self.emb.weight)
+
+
+def test_tied_weight_gradient_is_accumulated_out_of_place_as_in_eager():
+    """The output layer's weight gradient arrives as a view, which eager PyTorch never adds
+    into in place (the view shares its storage with its base)."""
+    from torch.profiler import profile
+
+    torch.manual_seed(0)
+    model = Tied()
+    idx = torch.randint(0, 50, (2, 8))
+    with profile() as prof:
+        model(idx).sum().backward()
+    eager = [e.name for e in prof.events() if e.name in ("aten::add", "aten::add_")]
+    seq = record(model, idx, optimizer=None)
+    recorded = [f.name for f in seq.functions if f.name.startswith("aten.add")]
+    assert eager == ["aten::add"] and recorded == ["aten.add.Tensor"]

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import vmalloc.torch as vtorch  # noqa: E402
-from vmalloc.offload.torch_driver import PoisonSwap  # noqa: E402
+from vmalloc.frameworks.torch_out_of_core import PoisonSwap  # noqa: E402
 
 WIDTH = 512
 

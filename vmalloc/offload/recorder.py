@@ -9,13 +9,14 @@ every aten op:
   largest seen, for storages that are resized). Parameters, buffers and optimizer state are
   persistent; inputs, activations, gradients and temporaries are transient (gradients are
   assumed freed by ``zero_grad(set_to_none=True)`` after the step).
-- a *function* is one aten op that reads or writes storage data. Pure view and metadata ops
-  (``aten.view``, ``aten.t``, ``aten.expand``, ``aten.detach``, ``aten._unsafe_view``, ...: no
-  argument written and every output aliasing an input storage) and allocation-only ops
-  (``aten.empty*``) are not functions; ``ones_like``-style ops do not read their template. ``inputs`` are the storages of the tensor arguments read
-  (mutated arguments of in-place ops are read and written), ``outputs`` the storages of the
-  returned tensors plus the mutated arguments. ``out=`` arguments, and the targets of
-  ``fill_``/``zero_``/``copy_`` that cover their whole storage, are written only.
+- a *function* is one aten op that reads or writes storage data, and what it reads and writes
+  comes from its schema: the rules of :mod:`vmalloc.offload.aten_ops`, which the out-of-core
+  driver uses too (views, metadata and allocation-only ops are not functions; mutable
+  arguments are written, and read unless overwritten whole; ``ones_like``-style ops do not read
+  their template). ``outputs`` are the mutated arguments plus the returned storages.
+- autograd's gradient accumulation is recorded as eager PyTorch runs it: in place
+  (``aten.add_.Tensor``) where eager adds in place, although under the recorder's dispatch
+  mode autograd adds out of place (see :func:`vmalloc.offload.aten_ops.is_accumulation`).
 - FLOPs come from ``torch.utils.flop_counter.flop_registry`` (the formulas FlopCounterMode
   uses: matmuls, convolutions and their backward, attention); every other op gets ``0`` FLOPs
   and a simulator charges it by the bytes it touches.
@@ -34,6 +35,7 @@ import copy
 from typing import Callable, Optional, Sequence
 
 from vmalloc.errors import InvalidArgumentError, VmallocError
+from vmalloc.offload import aten_ops
 from vmalloc.offload.sequence import FunctionSequence
 
 __all__ = ["record", "RecordingError", "sgd"]
@@ -45,20 +47,6 @@ class RecordingError(VmallocError, RuntimeError):
     grow linearly with the batch)."""
 
 
-#: Ops that only allocate (their content is undefined): not functions.
-_ALLOC_ONLY = frozenset({
-    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted",
-})
-#: Ops that use their first argument's shape and dtype only, never its data.
-_SHAPE_ONLY_SELF = frozenset({
-    "ones_like", "zeros_like", "full_like", "rand_like", "randn_like", "randint_like",
-    "new_zeros", "new_ones", "new_full",
-})
-#: In-place ops that overwrite their target without reading it (when it covers its storage).
-_OVERWRITE = frozenset({"fill_", "zero_", "copy_", "normal_", "uniform_", "random_",
-                        "bernoulli_", "exponential_", "resize_"})
-
-
 def sgd(params, lr=0.1, momentum=0.9, weight_decay=0.0):
     """The default optimizer factory: ``torch.optim.SGD`` with momentum, ``foreach=False`` so
     every optimizer op is per parameter."""
@@ -66,11 +54,6 @@ def sgd(params, lr=0.1, momentum=0.9, weight_decay=0.0):
 
     return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay,
                            foreach=False)
-
-
-def _op_base(func):
-    # "aten::add_.Tensor" -> "add_"
-    return func._schema.name.split("::", 1)[-1]
 
 
 class _Trace:
@@ -81,6 +64,33 @@ class _Trace:
         self.storages = {}     # key -> storage object (held so keys are never reused)
         self.sizes = {}        # key -> max nbytes seen
         self.first_name = {}   # key -> name from the op that first wrote it
+        self.accumulations = {}   # op index -> (first operand key, result key)
+
+    def fold_accumulations(self, keep):
+        """Records autograd's gradient accumulations in place, as eager PyTorch runs them
+        (``aten.add_``), where the recording saw them out of place (``aten.add``: any dispatch
+        mode turns autograd's in-place path off). Eager adds in place when it holds the only
+        reference to the first gradient: here, when no later op uses it and it is not in
+        ``keep`` (a named storage). Returns {result key: first operand key}."""
+        alias = {}
+        last_use = {}
+        for i, (_, ins, outs, _) in enumerate(self.ops):
+            for k in ins + outs:
+                last_use[k] = i
+        for i, (name, ins, outs, flops) in enumerate(self.ops):
+            ins = tuple(alias.get(k, k) for k in ins)
+            outs = tuple(alias.get(k, k) for k in outs)
+            acc = self.accumulations.get(i)
+            if acc is not None:
+                old, new = alias.get(acc[0], acc[0]), acc[1]
+                if last_use.get(acc[0]) == i and old not in keep and new != old \
+                        and self.sizes.get(new) == self.sizes.get(old):
+                    alias[new] = old
+                    last_use[old] = last_use.get(new, i)
+                    name, outs = "aten.add_.Tensor", tuple(dict.fromkeys(
+                        alias.get(k, k) for k in outs))
+            self.ops[i] = (name, ins, outs, flops)
+        return alias
 
 
 def _make_mode(trace, device_type, flop_registry):
@@ -104,48 +114,23 @@ def _make_mode(trace, device_type, flop_registry):
                 trace.sizes[k] = n
         return k
 
-    def tensors(v):
-        if isinstance(v, torch.Tensor):
-            return [v]
-        if isinstance(v, (list, tuple)):
-            return [x for x in v if isinstance(x, torch.Tensor)]
-        return []
-
-    def covers_storage(t):
-        return (t.is_contiguous() and t.storage_offset() == 0
-                and t.numel() * t.element_size() == t.untyped_storage().nbytes())
-
     class Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            # Decided before the op runs: autograd's accumulation is in place in eager mode.
+            accumulation = aten_ops.is_accumulation(func, args, kwargs)
             out = func(*args, **kwargs)
-            base = _op_base(func)
-            if base in _ALLOC_ONLY:
+            if not aten_ops.is_function(func):
                 return out
-            schema = func._schema
             reads, writes = [], []
-            npos = len(args)
-            for i, a in enumerate(schema.arguments):
-                if i < npos and not a.kwarg_only:
-                    v = args[i]
-                elif a.name in kwargs:
-                    v = kwargs[a.name]
-                else:
+            for t, read, written in aten_ops.accesses(func, args, kwargs):
+                k = key_of(t)
+                if k is None:
                     continue
-                ts = tensors(v)
-                if not ts or (i == 0 and base in _SHAPE_ONLY_SELF):
-                    continue
-                written = a.alias_info is not None and a.alias_info.is_write
-                for t in ts:
-                    k = key_of(t)
-                    if k is None:
-                        continue
-                    if written:
-                        writes.append(k)
-                        if not ((a.is_out or base in _OVERWRITE) and covers_storage(t)):
-                            reads.append(k)
-                    else:
-                        reads.append(k)
+                if written:
+                    writes.append(k)
+                if read:
+                    reads.append(k)
             read_set = set(reads)
             flat_out, _ = tree_flatten(out)
             out_keys = []
@@ -154,7 +139,7 @@ def _make_mode(trace, device_type, flop_registry):
                 if k is not None:
                     out_keys.append(k)
             if not writes and all(k in read_set for k in out_keys):
-                return out  # a view or metadata op: no data read or written
+                return out  # returns its input (a view the schema does not declare)
             for k in out_keys:
                 if k not in writes:
                     writes.append(k)
@@ -166,6 +151,8 @@ def _make_mode(trace, device_type, flop_registry):
             index = len(trace.ops)
             for j, k in enumerate(writes):
                 trace.first_name.setdefault(k, f"{name}#{index}:{j}")
+            if accumulation and len(out_keys) == 1:
+                trace.accumulations[index] = (key_of(args[0]), out_keys[0])
             trace.ops.append((name, tuple(dict.fromkeys(reads)), tuple(dict.fromkeys(writes)),
                               flops))
             return out
@@ -284,12 +271,14 @@ class _Session:
             input_names.setdefault(t.untyped_storage()._cdata, "target" if i == 0 else f"target{i}")
         with _make_mode(trace, "meta", flop_registry):
             self._iteration(args, target)
+        persistent = self._persistent()
+        alias = trace.fold_accumulations(set(persistent) | set(input_names))
         grads = {}
         for p in self.model.parameters():
             if p.grad is not None:
-                grads.setdefault(p.grad.untyped_storage()._cdata,
+                k = p.grad.untyped_storage()._cdata
+                grads.setdefault(alias.get(k, k),
                                  "grad:" + self.names.get(p.untyped_storage()._cdata, "param"))
-        persistent = self._persistent()
         self._zero_grad()
         return trace, persistent, grads, input_names
 

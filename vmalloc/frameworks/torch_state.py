@@ -1,0 +1,234 @@
+"""What the PyTorch out-of-core driver keeps beside the Runtime: which runtime buffer holds
+each storage, the dispatch mode, the prediction of an op's output bytes (allocation pressure),
+and the readers that bypass the dispatcher (``.numpy()``, ``.tolist()``, ``torch.save``)."""
+
+from __future__ import annotations
+
+import sys
+import weakref
+
+
+class Storages:
+    """Storage -> runtime buffer, keyed by the storage's address: two storages over one buffer
+    (``torch.from_numpy`` twice) share one runtime buffer. Finalizers report freed storages;
+    :meth:`collect` forgets their buffers at the driver's next boundary (finalizers run
+    anywhere, the runtime is not reentrant)."""
+
+    def __init__(self, driver):
+        self.driver = driver
+        self.by_ptr = {}        # ptr -> [buffer, [storage weakrefs], iteration adopted]
+        self.dead = []          # ptrs whose storages died
+
+    def _entry(self, storage):
+        ptr = storage.data_ptr()
+        entry = self.by_ptr.get(ptr)
+        if entry is None:
+            return ptr, None
+        refs = [r for r in entry[1] if r() is not None]
+        if not refs:            # every storage there died: a new allocation at that address
+            self._forget(ptr)
+            return ptr, None
+        entry[1] = refs
+        if not any(r() is storage for r in refs):
+            entry[1].append(weakref.ref(storage))     # one more storage over the buffer
+            weakref.finalize(storage, self.dead.append, ptr)
+            register = getattr(self.driver.backend, "register", None)
+            if register is not None:
+                register(ptr, storage)
+        return ptr, entry
+
+    def known(self, storage):
+        """The buffer of a storage the driver tracks already, or None."""
+        entry = self._entry(storage)[1]
+        return entry[0] if entry is not None else None
+
+    def iteration_of(self, buf):
+        entry = self.by_ptr.get(buf.ptr)
+        return entry[2] if entry is not None and entry[0] is buf else self.driver._iteration
+
+    def buffer(self, storage, persistent=None):
+        ptr, entry = self._entry(storage)
+        if entry is not None:
+            return entry[0]
+        buf = self.driver.runtime.adopt(ptr, storage.nbytes(), persistent=persistent)
+        register = getattr(self.driver.backend, "register", None)
+        if register is not None:
+            register(ptr, storage)
+        self.by_ptr[ptr] = [buf, [weakref.ref(storage)], self.driver._iteration]
+        weakref.finalize(storage, self.dead.append, ptr)
+        return buf
+
+    def make_persistent(self, buf):
+        """Re-adopts a live transient buffer as persistent (outside an iteration): resident
+        first, so that forgetting it drops no bytes."""
+        rt = self.driver.runtime
+        entry = self.by_ptr.get(buf.ptr)
+        if entry is None or entry[0] is not buf or not buf.alive:
+            return
+        if buf.state != "resident":
+            rt.enter_function((buf,), (), name="vmalloc.persistent")
+            rt.exit_function()
+        rt.forget(buf)
+        entry[0] = rt.adopt(buf.ptr, buf.nbytes, persistent=True)
+
+    def collect(self):
+        """Forgets the buffers of storages PyTorch freed."""
+        while self.dead:
+            ptr = self.dead.pop()
+            entry = self.by_ptr.get(ptr)
+            if entry is not None and not any(r() is not None for r in entry[1]):
+                self._forget(ptr)
+
+    def _forget(self, ptr):
+        entry = self.by_ptr.pop(ptr)
+        self.driver.runtime.forget(entry[0])
+        unregister = getattr(self.driver.backend, "unregister", None)
+        if unregister is not None:
+            unregister(ptr)   # only if no live storage took the address
+
+    def buffers(self, tensors):
+        """The buffers of the tracked storages among ``tensors``."""
+        out = []
+        for t in tensors:
+            if self.driver._tracked(t):
+                buf = self.known(t.untyped_storage())
+                if buf is not None and buf not in out:
+                    out.append(buf)
+        return out
+
+
+def make_mode(driver):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    global _mode_class
+    if _mode_class is None:
+        class _OffloadMode(TorchDispatchMode):
+            def __init__(self, driver):
+                super().__init__()
+                self.driver = driver
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                return self.driver._dispatch(func, args, kwargs or {})
+
+        _mode_class = _OffloadMode
+    return _mode_class(driver)
+
+
+_mode_class = None
+
+
+def predicted_bytes(driver, func, args, kwargs):
+    """Bytes of the tracked storages the op will create, worked out on the meta device before
+    it runs (0: none; None: unknown, or no budget to keep)."""
+    if driver.runtime.budget is None or func.namespace != "aten":
+        return None
+    if not any(str(r.type).startswith("Tensor") for r in func._schema.returns
+               if r.alias_info is None):
+        return 0
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    device = driver.device_type
+
+    def to_meta(x):
+        if isinstance(x, torch.Tensor):
+            if x.device.type != device:
+                return x
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+        if isinstance(x, torch.device) and x.type == device:
+            return torch.device("meta")
+        return x
+
+    try:
+        with _disable_current_modes():
+            margs, mkwargs = tree_map(to_meta, (tuple(args), dict(kwargs)))
+            out = func(*margs, **mkwargs)
+    except Exception:   # no meta kernel, or it mixes devices: learn the sizes after
+        return None
+    total = 0
+    for t in tree_flatten(out)[0]:
+        if isinstance(t, torch.Tensor) and t.device.type == "meta":
+            n = t.untyped_storage().nbytes()
+            if n >= driver.min_bytes:
+                total += n
+    return total
+
+
+class Readers:
+    """Reading a tensor outside an op (``.numpy()``, ``.tolist()``, ``np.asarray``,
+    ``torch.save``) bypasses the dispatcher: while the driver is active those readers first
+    swap the storages they read in. Also says, once, that ``torch.compile``'d regions run
+    eager inside ``out_of_core`` (Dynamo skips frames while a dispatch mode is active)."""
+
+    _METHODS = ("numpy", "tolist", "__array__")
+
+    def __init__(self, driver):
+        self.driver = driver
+        self.saved = {}
+        self.check_compiled = True
+
+    def install(self):
+        import torch
+        import torch.serialization
+
+        driver = self.driver
+        for name in self._METHODS:
+            original = getattr(torch.Tensor, name)
+            self.saved[(torch.Tensor, name)] = original
+
+            def reader(t, *args, _original=original, **kwargs):
+                driver._readers.resident([t])
+                return _original(t, *args, **kwargs)
+            reader.__name__ = name
+            setattr(torch.Tensor, name, reader)
+        original_save = torch.serialization.save
+
+        def save(obj, *args, **kwargs):
+            driver._readers.resident(None)
+            return original_save(obj, *args, **kwargs)
+        for module in (torch, torch.serialization):
+            self.saved[(module, "save")] = getattr(module, "save")
+            setattr(module, "save", save)
+
+    def remove(self):
+        for (owner, name), value in self.saved.items():
+            setattr(owner, name, value)
+        self.saved.clear()
+
+    def resident(self, tensors):
+        """The storages of ``tensors`` (None: every tracked storage) resident."""
+        driver = self.driver
+        rt = driver.runtime
+        if rt.in_function:
+            return
+        driver._storages.collect()
+        if tensors is None:
+            # torch.save reads every storage while it pickles: all of them back at once,
+            # whatever the budget (the next function's eviction restores it).
+            rt.restore_all()
+            return
+        bufs = driver._storages.buffers(tensors)
+        bufs = [b for b in bufs if b.alive and b.state != "resident"]
+        if not bufs:
+            return
+        rt.enter_function(bufs, (), name="vmalloc.read")
+        rt.exit_function()
+
+    def compiled_region(self):
+        """Warns once when an op runs inside a ``torch.compile``'d function (run eager)."""
+        if "torch._dynamo" not in sys.modules:
+            return
+        frame = sys._getframe(2)
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name == "compile_wrapper" and \
+                    code.co_filename.endswith("eval_frame.py"):
+                self.check_compiled = False
+                self.driver._say(
+                    "compile", "torch.compile'd code runs eager inside vmalloc.torch."
+                    "out_of_core: PyTorch's Dynamo skips every frame while a dispatch mode is "
+                    "active, so compiled regions run op by op (correct, not compiled)",
+                    budget=False)
+                return
+            frame = frame.f_back

@@ -1,0 +1,205 @@
+"""Swap backends of the PyTorch out-of-core driver (:mod:`vmalloc.frameworks.torch_out_of_core`).
+
+A backend has the :class:`~vmalloc.offload.SwapManager`'s methods (``swap_out``, ``swap_in``,
+``wait``, ``state``, ``stats``) keyed by storage pointers, plus ``register`` / ``unregister``
+(the driver tells it which storage lives at a pointer), ``discard`` (PyTorch freed a storage
+whose bytes are on the host) and ``tracks(ptr, nbytes)`` (whether the backend can swap that
+storage without moving it).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from vmalloc.errors import InvalidArgumentError
+
+
+def _live(refs):
+    """The first storage still alive among weak references, or None."""
+    for ref in refs:
+        storage = ref()
+        if storage is not None:
+            return storage
+    return None
+
+
+class PoisonSwap:
+    """The ``"poison"`` backend: swaps CPU storages by copying them aside and poisoning them.
+
+    A swap-out copies a storage's bytes aside and overwrites the storage with 0xFF bytes (NaN
+    for floats); a swap-in restores them. Keys are storage addresses (a CPU storage keeps its
+    address while swapped); two storages over one buffer (``torch.from_numpy`` twice) share
+    it. Copies are synchronous, so every swap is complete when issued; states still follow the
+    SwapManager's (``swapping_out`` until waited), so the runtime's protocol is exercised in
+    full.
+    """
+
+    def __init__(self):
+        self._storages = {}   # ptr -> [storage weakref]
+        self._host = {}       # ptr -> saved bytes (a uint8 tensor)
+        self._state = {}      # ptr -> state, absent = resident
+        self._stats = dict(bytes_swapped_out=0, bytes_swapped_in=0, swap_outs=0, swap_ins=0)
+
+    def tracks(self, ptr, nbytes):
+        return True
+
+    def register(self, ptr, storage):
+        # Weak: the backend must not keep a storage PyTorch has freed alive.
+        refs = [r for r in self._storages.get(ptr, ()) if r() is not None]
+        refs.append(weakref.ref(storage))
+        self._storages[ptr] = refs
+
+    def unregister(self, ptr, storage=None):
+        refs = [r for r in self._storages.get(ptr, ()) if r() is not None
+                and r() is not storage]
+        if refs:
+            self._storages[ptr] = refs
+        else:
+            self._storages.pop(ptr, None)
+
+    def _bytes(self, ptr):
+        """A byte view of the storage at ptr, or None if PyTorch has freed it."""
+        import torch
+        storage = _live(self._storages.get(ptr, ()))
+        if storage is None:
+            return None
+        return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+    def state(self, key):
+        return self._state.get(key, "resident")
+
+    def swap_out(self, ptr, stream=0):
+        from torch.utils._python_dispatch import _disable_current_modes
+        if self.state(ptr) != "resident":
+            raise InvalidArgumentError(f"swap_out: {ptr:#x} is {self.state(ptr)}")
+        with _disable_current_modes():
+            view = self._bytes(ptr)
+            if view is None:
+                raise InvalidArgumentError(f"swap_out: the storage at {ptr:#x} was freed")
+            self._host[ptr] = view.clone()
+            view.fill_(255)
+        self._state[ptr] = "swapping_out"
+        self._stats["bytes_swapped_out"] += view.numel()
+        self._stats["swap_outs"] += 1
+        return ptr
+
+    def wait(self, key, stream=0):
+        state = self.state(key)
+        if state == "swapping_out":
+            self._state[key] = "on_host"
+        elif state == "swapping_in":
+            del self._state[key]
+        else:
+            raise InvalidArgumentError(f"wait: {key:#x} has no copy in flight ({state})")
+
+    def swap_in(self, key, stream=0):
+        from torch.utils._python_dispatch import _disable_current_modes
+        state = self.state(key)
+        if state not in ("on_host", "swapping_out"):
+            raise InvalidArgumentError(f"swap_in: {key:#x} is {state}")
+        with _disable_current_modes():
+            view = self._bytes(key)
+            if view is None:
+                raise InvalidArgumentError(f"swap_in: the storage at {key:#x} was freed")
+            view.copy_(self._host.pop(key))
+        if state == "swapping_out":
+            del self._state[key]      # cancelled: nothing left in flight
+        else:
+            self._state[key] = "swapping_in"
+            self._stats["bytes_swapped_in"] += view.numel()
+            self._stats["swap_ins"] += 1
+        return key
+
+    def discard(self, key):
+        self._host.pop(key, None)
+        self._state.pop(key, None)
+
+    def stats(self):
+        out = dict(self._stats)
+        out["host_bytes"] = sum(t.numel() for t in self._host.values())
+        return out
+
+
+class CudaSwap:
+    """The ``"cuda"`` backend: the :class:`~vmalloc.offload.SwapManager` over the vmalloc
+    allocator PyTorch allocates from, keyed by storage pointers.
+
+    Only storages whose allocation owns whole chunks of the virtual allocator (chunks
+    placement, above its ``small_threshold``) are swapped: their pointer never changes, so
+    PyTorch never notices. A storage sharing chunks (the small-block arena) would be relocated
+    by a swap, behind PyTorch's back; :meth:`tracks` says no for it, so the driver never
+    adopts it (asked of the allocator itself: ``owns_chunks``). An allocator that relocates
+    every swap (caching, packed placement) is refused when the backend is made.
+
+    While a storage is not resident the backend holds it, so PyTorch cannot free memory whose
+    bytes are on the host; the hold ends when its swap-in is waited.
+    """
+
+    def __init__(self, manager, allocator):
+        if not hasattr(allocator, "owns_chunks") or \
+                getattr(allocator, "placement", "chunks") != "chunks":
+            raise InvalidArgumentError(
+                f"backend='cuda' needs the virtual allocator with placement='chunks' (PyTorch's "
+                f"pointers must not move); {allocator!r} relocates what it swaps")
+        self.manager = manager
+        self.allocator = allocator
+        #: Storages this small always share chunks (derived from the allocator).
+        self.min_bytes = int(allocator.small_threshold) + 1
+        self._owns = {}     # (ptr, nbytes) -> owns_chunks, for live storages
+        self._weak = {}     # ptr -> storage weakref
+        self._held = {}     # ptr -> storage, while not resident
+
+    def tracks(self, ptr, nbytes):
+        if nbytes < self.min_bytes:
+            return False
+        key = (ptr, nbytes)
+        owns = self._owns.get(key)
+        if owns is None:
+            owns = self._owns[key] = bool(self.allocator.owns_chunks(ptr))
+        return owns
+
+    def register(self, ptr, storage):
+        self._weak[ptr] = weakref.ref(storage)
+
+    def unregister(self, ptr, storage=None):
+        for key in [k for k in self._owns if k[0] == ptr]:
+            del self._owns[key]
+        if ptr not in self._held:
+            self._weak.pop(ptr, None)
+
+    def state(self, key):
+        return self.manager.state(key)
+
+    def swap_out(self, ptr, stream=0):
+        ref = self._weak.get(ptr)
+        storage = ref() if ref is not None else None
+        self.manager.swap_out(ptr, stream=stream)
+        if storage is not None:
+            self._held[ptr] = storage
+        return ptr
+
+    def wait(self, key, stream=0):
+        swapping_in = self.manager.state(key) == "swapping_in"
+        self.manager.wait(key, stream=stream)
+        if swapping_in:
+            self._held.pop(key, None)
+
+    def swap_in(self, key, stream=0):
+        ptr = self.manager.swap_in(key, stream=stream)
+        if ptr != key:   # cannot happen for a storage tracks() accepted
+            raise InvalidArgumentError(
+                f"the storage at {key:#x} was relocated to {ptr:#x}: PyTorch's pointers must "
+                "not move")
+        if self.manager.state(ptr) == "resident":
+            self._held.pop(ptr, None)
+        return ptr
+
+    def discard(self, key):
+        # A held storage cannot have been freed; nothing else reaches here.
+        self._held.pop(key, None)
+
+    def relocates(self, ptr):
+        return not self.allocator.owns_chunks(ptr)
+
+    def stats(self):
+        return self.manager.stats()
