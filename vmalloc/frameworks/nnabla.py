@@ -262,7 +262,7 @@ class OutOfCore:
             if arr.clear_called and key not in self._fresh:
                 del self._transient[key]
                 buf = self._bufs.pop(key)[0]
-                self.runtime.forget(buf)
+                self.runtime.forget(buf, freed=True)
 
     # --- hooks -----------------------------------------------------------------------------
     def _function_pre(self, f):

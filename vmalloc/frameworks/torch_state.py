@@ -81,7 +81,7 @@ class Storages:
 
     def _forget(self, ptr):
         entry = self.by_ptr.pop(ptr)
-        self.driver.runtime.forget(entry[0])
+        self.driver.runtime.forget(entry[0], freed=True)
         unregister = getattr(self.driver.backend, "unregister", None)
         if unregister is not None:
             unregister(ptr)   # only if no live storage took the address

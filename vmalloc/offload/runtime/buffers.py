@@ -122,11 +122,11 @@ class Residency:
             return True     # the caching allocator
         return getattr(a, "placement", "chunks") != "chunks" or n <= a.small_threshold
 
-    def forget(self, buf: Buffer) -> None:
-        """Stops tracking an adopted buffer. With a backend that can ``discard`` (the
-        framework freed the memory: PyTorch's backends) its host copy is dropped; otherwise
-        (the SwapManager) a buffer on the host is swapped back in first, so its memory holds
-        its bytes again and belongs to the framework: no data is lost."""
+    def forget(self, buf: Buffer, freed: bool = False) -> None:
+        """Stops tracking an adopted buffer. ``freed=True``: its owner (the framework) has freed
+        the memory, so a host copy is only dropped (the backend's ``discard``). Otherwise the
+        memory still belongs to its owner with its bytes: a buffer on the host is swapped back
+        in first, whatever the backend, so no data is lost."""
         if not isinstance(buf, Buffer) or buf._rt is not self:
             raise InvalidArgumentError(f"forget: {buf!r} is not a buffer of this runtime")
         if not buf.alive:
@@ -135,7 +135,7 @@ class Residency:
             self._wait(buf)
         if buf.where in ("on_host", "swapping_out"):
             discard = getattr(self.swap, "discard", None)
-            if discard is not None:
+            if freed and discard is not None:
                 discard(buf.key)
             else:
                 if buf.where == "swapping_out":
