@@ -86,7 +86,7 @@ cdef class HostDevice(Device):
         ``vmas`` (kernel memory mappings held, an upper bound; 0 when unbacked); in checked
         mode also ``live_allocations`` (what allocators said is live), ``bytes_guarded``
         (freed bytes made inaccessible, whole pages) and ``unguarded_frees`` (frees left open
-        because the process's memory-mapping budget was spent); 0 otherwise.
+        because the process's memory-mapping budget was spent).
 
         Two snapshots compare equal when nothing changed in between: tests use this to show
         that a refused call left the device as it was.
@@ -95,7 +95,7 @@ cdef class HostDevice(Device):
         cdef CHostDeviceState s
         with nogil:
             s = h.state()
-        return {
+        state = {
             "physical_allocations": s.physical_allocations,
             "released_still_mapped": s.released_still_mapped,
             "reservations": s.reservations,
@@ -109,10 +109,12 @@ cdef class HostDevice(Device):
             "streams": s.streams,
             "events": s.events,
             "vmas": s.vmas,
-            "live_allocations": s.live_allocations,
-            "bytes_guarded": s.bytes_guarded,
-            "unguarded_frees": s.unguarded_frees,
         }
+        if h.checked():
+            state["live_allocations"] = s.live_allocations
+            state["bytes_guarded"] = s.bytes_guarded
+            state["unguarded_frees"] = s.unguarded_frees
+        return state
 
     def write(self, ptr, data, stream=0):
         """Copies the bytes of ``data`` (any buffer) to device address ``ptr``; blocks until

@@ -245,48 +245,57 @@ void HostDevice::on_freed(device_ptr ptr) noexcept {
     c.freed.emplace(ptr, Checked::Freed{end, ptr, size});
   } catch (...) {
   }
-  // Pages holding a byte of another live allocation stay open; only the edge pages can.
-  device_ptr lo = ptr & ~(page_size_ - 1);
-  device_ptr hi = (end + page_size_ - 1) & ~(page_size_ - 1);
-  if (live_in(c.live, lo, lo + page_size_)) lo += page_size_;
-  if (hi > lo && live_in(c.live, hi - page_size_, hi)) hi -= page_size_;
-  if (hi <= lo) return;
-  // Guard the accessible parts (a swapped-out range is unmapped: nothing to guard there).
-  auto m = mappings_.upper_bound(lo);
-  if (m != mappings_.begin()) --m;
+  guard_freed(ptr & ~(page_size_ - 1), (end + page_size_ - 1) & ~(page_size_ - 1));
+}
+
+void HostDevice::guard_freed(device_ptr lo, device_ptr hi) noexcept {
+  Checked& c = *checked_;
   bool left_open = false;
-  for (; m != mappings_.end() && m->first < hi; ++m) {
-    for (const auto& [alo, ahi] : m->second.access) {
-      const device_ptr a = std::max(lo, m->first + alo), b = std::min(hi, m->first + ahi);
-      if (a >= b) continue;
-      try {
-        reserve_vmas(2, DriverCall::set_access);  // a run splits its VMA in three at most
-      } catch (...) {
-        left_open = true;  // the process's VMA budget is spent: leave it open, count it
-        continue;
-      }
-      if (::mprotect(reinterpret_cast<void*>(a), b - a, PROT_NONE) != 0) {
-        return_vmas(2);
-        left_open = true;
-        continue;
-      }
-      c.vmas += 2;
-      // Merge with touching runs (several frees side by side make one run).
-      device_ptr glo = a, ghi = b;
-      try {
-        auto g = c.guarded.lower_bound(glo);
-        if (g != c.guarded.begin() && std::prev(g)->second >= glo) --g;
-        while (g != c.guarded.end() && g->first <= ghi) {
-          glo = std::min(glo, g->first);
-          ghi = std::max(ghi, g->second);
-          c.bytes_guarded -= g->second - g->first;
-          g = c.guarded.erase(g);
+  auto end_of = [](const Checked::Freed& f) { return f.end; };
+  for (auto f = first_overlap(c.freed, lo, hi, end_of); f != c.freed.end() && f->first < hi;
+       ++f) {
+    // The freed bytes' pages in [lo, hi); of those only the edge pages can hold a live byte.
+    device_ptr plo = std::max(lo, f->first & ~(page_size_ - 1));
+    device_ptr phi = std::min(hi, (f->second.end + page_size_ - 1) & ~(page_size_ - 1));
+    if (plo < phi && live_in(c.live, plo, plo + page_size_)) plo += page_size_;
+    if (plo < phi && live_in(c.live, phi - page_size_, phi)) phi -= page_size_;
+    if (plo >= phi) continue;
+    // Guard the accessible parts (a swapped-out range is unmapped: nothing to guard there).
+    auto m = mappings_.upper_bound(plo);
+    if (m != mappings_.begin()) --m;
+    for (; m != mappings_.end() && m->first < phi; ++m) {
+      for (const auto& [alo, ahi] : m->second.access) {
+        const device_ptr a = std::max(plo, m->first + alo), b = std::min(phi, m->first + ahi);
+        if (a >= b) continue;
+        try {
+          reserve_vmas(2, DriverCall::set_access);  // a run splits its VMA in three at most
+        } catch (...) {
+          left_open = true;  // the process's VMA budget is spent: leave it open, count it
+          continue;
         }
-        c.guarded.emplace(glo, ghi);
-        c.bytes_guarded += ghi - glo;
-      } catch (...) {
-        ::mprotect(reinterpret_cast<void*>(a), b - a, PROT_READ | PROT_WRITE);
-        left_open = true;
+        if (::mprotect(reinterpret_cast<void*>(a), b - a, PROT_NONE) != 0) {
+          return_vmas(2);
+          left_open = true;
+          continue;
+        }
+        c.vmas += 2;
+        // Merge with touching runs (several frees side by side make one run).
+        device_ptr glo = a, ghi = b;
+        try {
+          auto g = c.guarded.lower_bound(glo);
+          if (g != c.guarded.begin() && std::prev(g)->second >= glo) --g;
+          while (g != c.guarded.end() && g->first <= ghi) {
+            glo = std::min(glo, g->first);
+            ghi = std::max(ghi, g->second);
+            c.bytes_guarded -= g->second - g->first;
+            g = c.guarded.erase(g);
+          }
+          c.guarded.emplace(glo, ghi);
+          c.bytes_guarded += ghi - glo;
+        } catch (...) {
+          ::mprotect(reinterpret_cast<void*>(a), b - a, PROT_READ | PROT_WRITE);
+          left_open = true;
+        }
       }
     }
   }
@@ -298,7 +307,7 @@ void HostDevice::on_freed(device_ptr ptr) noexcept {
   }
 }
 
-void HostDevice::checked_forget(device_ptr ptr, std::size_t size, bool live_too) noexcept {
+void HostDevice::checked_forget(device_ptr ptr, std::size_t size, bool reservation) noexcept {
   Checked& c = *checked_;
   const device_ptr end = ptr + size;
   try {
@@ -307,12 +316,14 @@ void HostDevice::checked_forget(device_ptr ptr, std::size_t size, bool live_too)
       c.bytes_guarded -= std::min(end, g->second) - std::max(ptr, g->first);
     cut(c.guarded, ptr, end, [](device_ptr e) { return e; },
         [](device_ptr, device_ptr e) { return e; });
-    cut(c.freed, ptr, end, [](const Checked::Freed& f) { return f.end; },
-        [](Checked::Freed f, device_ptr e) {
-          f.end = e;
-          return f;
-        });
-    if (live_too) drop_live(c.live, ptr, end);
+    if (reservation) {
+      cut(c.freed, ptr, end, [](const Checked::Freed& f) { return f.end; },
+          [](Checked::Freed f, device_ptr e) {
+            f.end = e;
+            return f;
+          });
+      drop_live(c.live, ptr, end);
+    }
   } catch (...) {
   }
   const std::size_t target = 2 * c.guarded.size();
@@ -330,6 +341,8 @@ void HostDevice::checked_reguard(device_ptr ptr, std::size_t size) noexcept {
     const device_ptr a = std::max(ptr, g->first), b = std::min(end, g->second);
     ::mprotect(reinterpret_cast<void*>(a), b - a, PROT_NONE);
   }
+  // Freed bytes whose chunk was unmapped (stolen for another range) and is mapped again.
+  guard_freed(ptr, end);
 }
 
 std::string HostDevice::checked_refusal(device_ptr ptr, std::size_t n) const {

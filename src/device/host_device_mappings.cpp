@@ -152,7 +152,7 @@ void HostDevice::unmap(device_ptr ptr, std::size_t size) {
     if (--p->second.mappings == 0 && p->second.released) free_physical(p);
     it = mappings_.erase(it);
   }
-  if (checked_) checked_forget(ptr, size, /*live_too=*/false);  // plain reservation again
+  if (checked_) checked_forget(ptr, size, /*reservation=*/false);  // plain reservation again
 }
 
 void HostDevice::set_access(device_ptr ptr, std::size_t size) {

@@ -164,11 +164,14 @@ class HostDevice : public Device {
   // Checked mode (host_device_checked.cpp); the caller holds mutex_, unique unless const.
   struct Checked;
   void start_checking();  // the constructor's, with options.checked on a backed device
-  // After unmap / before free_address of [ptr, ptr+size): its guards and freed records go
-  // (the pages are plain reservation again); with `live_too` its live records as well.
-  void checked_forget(device_ptr ptr, std::size_t size, bool live_too) noexcept;
-  // After set_access opened [ptr, ptr+size): guarded pages in it are closed again.
+  // After unmap of [ptr, ptr+size): its guards go (the pages are plain reservation again);
+  // the freed records stay, so a chunk mapped there again is guarded where bytes were freed.
+  // Before free_address (`reservation`): its freed and live records go too.
+  void checked_forget(device_ptr ptr, std::size_t size, bool reservation) noexcept;
+  // After set_access opened [ptr, ptr+size): guarded and freed pages in it are closed again.
   void checked_reguard(device_ptr ptr, std::size_t size) noexcept;
+  // Makes PROT_NONE the accessible pages of [lo, hi) holding a freed byte and no live one.
+  void guard_freed(device_ptr lo, device_ptr hi) noexcept;
   // "" unless [ptr, ptr+n) holds a freed byte: then why a copy is refused.
   std::string checked_refusal(device_ptr ptr, std::size_t n) const;
   bool checked_guarded(device_ptr ptr, std::size_t n) const noexcept;
