@@ -583,7 +583,9 @@ def test_completed_free_is_preferred_for_another_stream():
 
 
 def test_unmapping_waits_for_the_freeing_stream():
-    dev = vmalloc.HostDevice(capacity="8MiB")
+    # Unchecked: the assertion below needs the 16-byte copy still queued when the allocator
+    # looks, a race that checked mode's slower frees (mprotect) make it lose about 1 run in 6.
+    dev = vmalloc.HostDevice(capacity="8MiB", checked=False)
     va = vmalloc.VirtualAllocator(dev)
     a = dev.create_stream()
     x = va.allocate(4 * MiB, a)
