@@ -7,6 +7,9 @@ can land before every backend does.
 
 import os
 
+# Checked mode of the emulated device: freed and relocated memory faults (docs/host_device.rst).
+os.environ.setdefault("VMALLOC_CHECKED", "1")
+
 import pytest
 from hypothesis import settings
 

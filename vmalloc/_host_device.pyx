@@ -16,6 +16,8 @@ from vmalloc._lib.device.host_device cimport (
     host_device_vma_limit,
 )
 
+import os
+
 from vmalloc.errors import DeviceError
 from vmalloc.sizes import parse_size
 
@@ -34,12 +36,19 @@ cdef class HostDevice(Device):
             only, so traces far larger than the machine replay; reading or writing data then
             raises :class:`vmalloc.DeviceError`.
         ordinal: the device number, for the name ``"host:<ordinal>"``.
+        checked: checked mode (see ``docs/host_device.rst``): pages of memory that an
+            allocator on this device freed, or a swap moved away, become inaccessible, so a
+            program touching memory it does not own dies with ``SIGSEGV`` and a line naming
+            the freed allocation, and a copy there raises :class:`vmalloc.DeviceError`.
+            ``None`` (default) takes it from the environment variable ``VMALLOC_CHECKED``
+            (on when set and not ``0``; the test suite sets it). No effect when not backed.
 
     Every broken driver rule raises :class:`vmalloc.DeviceError` with the entry point
     (``.call``, e.g. ``"cuMemMap"``) and the ``CUresult`` (``.code``), and changes nothing.
     """
 
-    def __cinit__(self, capacity=None, granularity="2MiB", backed=True, ordinal=0):
+    def __cinit__(self, capacity=None, granularity="2MiB", backed=True, ordinal=0,
+                  checked=None):
         cdef CHostDeviceOptions options
         options.capacity = parse_size(capacity, "capacity", allow_none=True) or 0
         options.granularity = parse_size(granularity, "granularity")
@@ -47,23 +56,37 @@ cdef class HostDevice(Device):
         if not isinstance(ordinal, int) or isinstance(ordinal, bool):
             raise TypeError(f"ordinal must be an int, got {type(ordinal).__name__}")
         options.ordinal = ordinal
+        if checked is None:
+            checked = os.environ.get("VMALLOC_CHECKED", "") not in ("", "0")
+        elif not isinstance(checked, bool):
+            raise TypeError(f"checked must be a bool or None, got {type(checked).__name__}")
+        options.checked = checked
         cdef CHostDevice* device
         with nogil:
             device = new CHostDevice(options)
         self.c_device.reset(<CDevice*>device)
 
-    def __init__(self, capacity=None, granularity="2MiB", backed=True, ordinal=0):
+    def __init__(self, capacity=None, granularity="2MiB", backed=True, ordinal=0,
+                 checked=None):
         refuse_second_init(self, &self.init_called)
 
     cdef CHostDevice* host(self) except NULL:
         return <CHostDevice*>self.get()
+
+    @property
+    def checked(self):
+        """Whether this device runs in checked mode (freed memory faults)."""
+        return self.host().checked()
 
     def state(self):
         """The device's books as a dict: ``physical_allocations`` (created, not yet freed),
         ``released_still_mapped``, ``reservations``, ``mappings``, ``bytes_created``,
         ``bytes_reserved``, ``bytes_mapped``, ``bytes_accessible``, ``host_allocations``,
         ``host_bytes``, ``streams`` (created, the default stream not counted), ``events`` and
-        ``vmas`` (kernel memory mappings held, an upper bound; 0 when unbacked).
+        ``vmas`` (kernel memory mappings held, an upper bound; 0 when unbacked); in checked
+        mode also ``live_allocations`` (what allocators said is live), ``bytes_guarded``
+        (freed bytes made inaccessible, whole pages) and ``unguarded_frees`` (frees left open
+        because the process's memory-mapping budget was spent).
 
         Two snapshots compare equal when nothing changed in between: tests use this to show
         that a refused call left the device as it was.
@@ -72,7 +95,7 @@ cdef class HostDevice(Device):
         cdef CHostDeviceState s
         with nogil:
             s = h.state()
-        return {
+        state = {
             "physical_allocations": s.physical_allocations,
             "released_still_mapped": s.released_still_mapped,
             "reservations": s.reservations,
@@ -87,6 +110,11 @@ cdef class HostDevice(Device):
             "events": s.events,
             "vmas": s.vmas,
         }
+        if h.checked():
+            state["live_allocations"] = s.live_allocations
+            state["bytes_guarded"] = s.bytes_guarded
+            state["unguarded_frees"] = s.unguarded_frees
+        return state
 
     def write(self, ptr, data, stream=0):
         """Copies the bytes of ``data`` (any buffer) to device address ``ptr``; blocks until

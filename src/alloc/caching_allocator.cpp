@@ -238,6 +238,7 @@ device_ptr CachingAllocator::allocate(std::size_t nbytes, stream_t stream) {
   ++stats_.live_allocations;
   ++stats_.total_allocations;
   note_peaks();
+  device_->note_live(block->ptr, nbytes);  // checked mode (HostDevice): may be touched
   return block->ptr;
 }
 
@@ -683,6 +684,7 @@ void CachingAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t s
   if (!streams.empty()) pending_.record(block, streams);  // throws with nothing changed
 
   live_.erase(it);
+  device_->note_freed(ptr);  // checked mode: touching it now faults
   stats_.requested_bytes -= block->requested;
   stats_.allocated_bytes -= block->size;
   --stats_.live_allocations;

@@ -164,6 +164,7 @@ device_ptr PackedVirtualAllocator::allocate(std::size_t nbytes, stream_t stream)
   live_.insert(p, reinterpret_cast<std::uintptr_t>(h));
   counters_.count_allocation(nbytes, size);
   if (spare != nullptr) blocks_.release(spare);
+  device_->note_live(p, nbytes);  // checked mode (HostDevice): these bytes may be touched
   return p;
 }
 
@@ -388,6 +389,7 @@ void PackedVirtualAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stre
   check_free_size(nbytes, b->requested, ptr);
   const PendingWork work = order_.on_free(stream);  // may throw: nothing changed
   live_.erase_at(slot);  // the map has not changed since find_slot
+  device_->note_freed(ptr);  // checked mode: touching it now faults
   counters_.count_deallocation(b->requested, b->size);
   Reservation* res = b->reservation;
   for (std::size_t s = slot_first(b), e = slot_last(b); s <= e; ++s) {

@@ -62,10 +62,12 @@ device_ptr VirtualAllocator::allocate(std::size_t nbytes, stream_t stream) {
   std::lock_guard<std::mutex> lock(mutex_);
   live_.reserve_one();  // the only allocation on the hit path, and only while growing
   order_.note_stream(stream);
-  return counting_out_of_memory([&] {
+  const device_ptr p = counting_out_of_memory([&] {
     return nbytes <= small_threshold_ ? allocate_small(nbytes, stream)
                                       : allocate_chunks(nbytes, stream);
   });
+  device_->note_live(p, nbytes);  // checked mode (HostDevice): these bytes may be touched
+  return p;
 }
 
 device_ptr VirtualAllocator::allocate_chunks(std::size_t nbytes, stream_t stream) {
@@ -371,6 +373,7 @@ void VirtualAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t s
     const PendingWork work = order_.on_free(stream);  // may throw: nothing changed
     live_.erase_at(slot);
     --live_blocks_;
+    device_->note_freed(ptr);  // checked mode: touching it now faults
     counters_.count_deallocation(b->requested, b->size);
     ArenaChunk* c = arena_.deallocate(b, work);
     if (c != nullptr) {
@@ -389,6 +392,7 @@ void VirtualAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t s
     live_.erase_at(slot);
     --live_ranges_;
     --unbacked_ranges_;
+    device_->note_freed(ptr);
     unbacked_chunks_ -= r->count;
     unbacked_bytes_ -= r->requested;
     --res->unbacked;
@@ -401,6 +405,7 @@ void VirtualAllocator::deallocate(device_ptr ptr, std::size_t nbytes, stream_t s
   live_.erase_at(slot);
   live_chunks_ -= r->count;
   --live_ranges_;
+  device_->note_freed(ptr);
   counters_.count_deallocation(r->requested, r->count * chunk_size_);
   r->requested = 0;
   r->state = RangeState::cached;

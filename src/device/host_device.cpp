@@ -33,7 +33,8 @@ bool HostDeviceState::operator==(const HostDeviceState& o) const noexcept {
          bytes_reserved == o.bytes_reserved && bytes_mapped == o.bytes_mapped &&
          bytes_accessible == o.bytes_accessible && host_allocations == o.host_allocations &&
          host_bytes == o.host_bytes && streams == o.streams && events == o.events &&
-         vmas == o.vmas;
+         vmas == o.vmas && live_allocations == o.live_allocations &&
+         bytes_guarded == o.bytes_guarded && unguarded_frees == o.unguarded_frees;
 }
 
 std::string HostDeviceState::summary() const {
@@ -66,6 +67,7 @@ HostDevice::HostDevice(const HostDeviceOptions& options)
                           " must not be negative");
   if (backed_) arena_ = std::make_unique<detail::MemfdArena>("vmalloc-" + name());
   streams_ = std::make_unique<detail::StreamSet>(name());
+  if (options.checked && backed_) start_checking();
 }
 
 HostDevice::~HostDevice() {
@@ -106,6 +108,11 @@ HostDeviceState HostDevice::state_locked() const {
   s.host_allocations = host_blocks_.size();
   s.host_bytes = host_bytes_;
   s.vmas = vmas_;
+  if (checked_) {
+    s.live_allocations = checked_->live.size();
+    s.bytes_guarded = checked_->bytes_guarded;
+    s.unguarded_frees = checked_->unguarded_frees;
+  }
   return s;
 }
 

@@ -93,6 +93,7 @@ void HostDevice::free_address(device_ptr ptr, std::size_t size) {
          "the reservation " + address_range(ptr, size) + " still has a mapping at " +
              hex(m->first) + ": unmap it first",
          cu_result::invalid_value);
+  if (checked_) checked_forget(ptr, size, /*reservation=*/true);
   if (backed_) {
     ::munmap(reinterpret_cast<void*>(ptr), size);
     return_vmas(1);

@@ -63,6 +63,11 @@ void HostDevice::execute_copy(const CopyJob& job) {
                           entry, cu_result::illegal_address);
     }
     if (!backed_) continue;  // accounting only: nothing to move
+    if (checked_ && (checked_guarded(job.src + off, n) || checked_guarded(job.dst + off, n))) {
+      // Stream-ordered: queued before the free, so it may still use the bytes.
+      copy_through_memfd(job, off, n);
+      continue;
+    }
     switch (job.call) {
       case DriverCall::copy_to_device:
         std::memcpy(reinterpret_cast<void*>(job.dst + off), job.host_src + off, n);
@@ -74,6 +79,23 @@ void HostDevice::execute_copy(const CopyJob& job) {
         std::memmove(reinterpret_cast<void*>(job.dst + off),
                      reinterpret_cast<const void*>(job.src + off), n);
         break;
+    }
+  }
+}
+
+void HostDevice::copy_through_memfd(const CopyJob& job, std::size_t off, std::size_t n) const {
+  switch (job.call) {
+    case DriverCall::copy_to_device:
+      memfd_io(job.dst + off, const_cast<unsigned char*>(job.host_src + off), n, true);
+      break;
+    case DriverCall::copy_to_host:
+      memfd_io(job.src + off, job.host_dst + off, n, false);
+      break;
+    default: {
+      std::vector<unsigned char> piece(n);
+      memfd_io(job.src + off, piece.data(), n, false);
+      memfd_io(job.dst + off, piece.data(), n, true);
+      break;
     }
   }
 }
@@ -105,6 +127,11 @@ void HostDevice::enqueue_copy(const CopyJob& job, stream_t stream, bool wait) {
     if (job.call != DriverCall::copy_to_device) why = check_accessible(job.src, job.nbytes);
     if (why.empty() && job.call != DriverCall::copy_to_host)
       why = check_accessible(job.dst, job.nbytes);
+    if (checked_ && why.empty()) {
+      if (job.call != DriverCall::copy_to_device) why = checked_refusal(job.src, job.nbytes);
+      if (why.empty() && job.call != DriverCall::copy_to_host)
+        why = checked_refusal(job.dst, job.nbytes);
+    }
     if (!why.empty()) fail(job.call, why, cu_result::illegal_address);
     if (job.call == DriverCall::copy_to_device)
       queued.host_pinned =

@@ -152,6 +152,7 @@ void HostDevice::unmap(device_ptr ptr, std::size_t size) {
     if (--p->second.mappings == 0 && p->second.released) free_physical(p);
     it = mappings_.erase(it);
   }
+  if (checked_) checked_forget(ptr, size, /*reservation=*/false);  // plain reservation again
 }
 
 void HostDevice::set_access(device_ptr ptr, std::size_t size) {
@@ -192,6 +193,7 @@ void HostDevice::set_access(device_ptr ptr, std::size_t size) {
     bytes_accessible_ += updated.accessible_bytes() - mapping->accessible_bytes();
     *mapping = std::move(updated);
   }
+  if (checked_) checked_reguard(ptr, size);  // freed pages in it stay guarded
 }
 
 std::string HostDevice::check_accessible(device_ptr ptr, std::size_t n) const {

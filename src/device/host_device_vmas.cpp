@@ -46,6 +46,14 @@ void HostDevice::reserve_vmas(std::size_t more, DriverCall call) {
   vmas_ += more;
 }
 
+// For checked mode opening pages of a new allocation: it must happen whatever the budget says
+// (a live byte must not fault), and splits a guard run in two at most.
+void HostDevice::reserve_vmas_unchecked(std::size_t more) noexcept {
+  if (!backed_ || more == 0) return;
+  vmas_held.fetch_add(more);
+  vmas_ += more;
+}
+
 void HostDevice::return_vmas(std::size_t fewer) noexcept {
   if (!backed_ || fewer == 0) return;
   vmas_held.fetch_sub(fewer);

@@ -50,7 +50,8 @@ def assert_refused(dev, fn, call, code, match=None, counted=None):
 # --- construction -------------------------------------------------------------------------
 
 def test_defaults_and_properties():
-    dev = HostDevice()
+    dev = HostDevice(checked=False)  # the suite turns checked mode on by default (conftest)
+    assert dev.checked is False
     assert dev.name == "host:0"
     assert dev.ordinal == 0
     assert dev.granularity == G

@@ -93,6 +93,18 @@ class Device {
   virtual void copy_device(device_ptr dst, device_ptr src, std::size_t nbytes,
                            stream_t stream) = 0;
 
+  // --- checked mode: which bytes a program may touch ---
+  // Allocators call these on every allocate and free (swap-outs and swap-ins of relocating
+  // allocators go through both), so a device that checks (HostDevice(checked=true)) can make
+  // freed and relocated memory fault. One inline branch when the device does not check; a
+  // real GPU faults by itself and never turns it on. Never throw.
+  void note_live(device_ptr ptr, std::size_t nbytes) noexcept {
+    if (checks_liveness_) on_live(ptr, nbytes);
+  }
+  void note_freed(device_ptr ptr) noexcept {
+    if (checks_liveness_) on_freed(ptr);
+  }
+
   // --- accounting ---
   CounterSnapshot counters() const { return counters_.snapshot(); }
   void reset_counters() noexcept { counters_.reset(); }
@@ -100,6 +112,14 @@ class Device {
   void set_cost_model(const CostModel& model) { counters_.set_cost_model(model); }
 
  protected:
+  // Set once in a checking device's constructor, before any allocator sees the device.
+  bool checks_liveness_ = false;
+  virtual void on_live(device_ptr ptr, std::size_t nbytes) noexcept {
+    (void)ptr;
+    (void)nbytes;
+  }
+  virtual void on_freed(device_ptr ptr) noexcept { (void)ptr; }
+
   // Implementations count every call they make, failed ones included.
   void count(DriverCall call) noexcept { counters_.count(call); }
   void count_copy(DriverCall call, std::size_t bytes) noexcept { counters_.count_copy(call, bytes); }

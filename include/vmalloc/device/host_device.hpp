@@ -33,6 +33,11 @@ struct HostDeviceOptions {
   std::size_t granularity = std::size_t{2} << 20;  // a power-of-two multiple of the page size
   bool backed = true;                            // false: accounting only, no memory
   int ordinal = 0;                               // the "N" of "host:N"
+  // Checked mode (host_device_checked.cpp): host pages holding no byte of a live allocation
+  // of an allocator on this device, once freed or relocated, are PROT_NONE, so a stray touch
+  // raises SIGSEGV (reported with the freed allocation) and a copy there is refused. Ignored
+  // when not backed.
+  bool checked = false;
 };
 
 // A consistent snapshot of the device's books, for tests ("a rejected call changed nothing")
@@ -51,6 +56,9 @@ struct HostDeviceState {
   std::size_t streams = 0;                // created streams, the default stream not counted
   std::size_t events = 0;
   std::size_t vmas = 0;                   // upper bound of kernel VMAs held (backed only)
+  std::size_t live_allocations = 0;       // checked mode: allocations allocators said are live
+  std::size_t bytes_guarded = 0;          // checked mode: freed pages made inaccessible
+  std::size_t unguarded_frees = 0;        // checked mode: frees left open (VMA budget spent)
 
   bool operator==(const HostDeviceState& o) const noexcept;
   bool operator!=(const HostDeviceState& o) const noexcept { return !(*this == o); }
@@ -71,6 +79,7 @@ class HostDevice : public Device {
   std::size_t capacity() const override { return capacity_; }
   std::size_t physical_bytes_in_use() const override;
   bool backed() const override { return backed_; }
+  bool checked() const noexcept { return checked_ != nullptr; }
 
   physical_handle create(std::size_t size) override;
   void release(physical_handle handle) override;
@@ -120,6 +129,10 @@ class HostDevice : public Device {
   // Kernel VMAs held now by all HostDevices of the process (an upper bound).
   static std::size_t process_vmas() noexcept;
 
+ protected:
+  void on_live(device_ptr ptr, std::size_t nbytes) noexcept override;
+  void on_freed(device_ptr ptr) noexcept override;
+
  private:
   struct Physical;
   struct Reservation;
@@ -148,6 +161,25 @@ class HostDevice : public Device {
   void execute_copy(const CopyJob& job);
   bool host_range_pinned(std::uintptr_t ptr, std::size_t n) const;
 
+  // Checked mode (host_device_checked.cpp); the caller holds mutex_, unique unless const.
+  struct Checked;
+  void start_checking();  // the constructor's, with options.checked on a backed device
+  // After unmap of [ptr, ptr+size): its guards go (the pages are plain reservation again);
+  // the freed records stay, so a chunk mapped there again is guarded where bytes were freed.
+  // Before free_address (`reservation`): its freed and live records go too.
+  void checked_forget(device_ptr ptr, std::size_t size, bool reservation) noexcept;
+  // After set_access opened [ptr, ptr+size): guarded and freed pages in it are closed again.
+  void checked_reguard(device_ptr ptr, std::size_t size) noexcept;
+  // Makes PROT_NONE the accessible pages of [lo, hi) holding a freed byte and no live one.
+  void guard_freed(device_ptr lo, device_ptr hi) noexcept;
+  // "" unless [ptr, ptr+n) holds a freed byte: then why a copy is refused.
+  std::string checked_refusal(device_ptr ptr, std::size_t n) const;
+  bool checked_guarded(device_ptr ptr, std::size_t n) const noexcept;
+  // A copy's piece through the memfd, so stream-ordered work queued before a free still runs.
+  void copy_through_memfd(const CopyJob& job, std::size_t off, std::size_t n) const;
+  void memfd_io(device_ptr ptr, unsigned char* buf, std::size_t n, bool write) const;
+  void reserve_vmas_unchecked(std::size_t more) noexcept;
+
   const std::size_t capacity_;
   const std::size_t granularity_;
   const std::size_t page_size_;
@@ -171,6 +203,7 @@ class HostDevice : public Device {
   std::size_t vmas_ = 0;
 
   std::unique_ptr<detail::StreamSet> streams_;
+  std::unique_ptr<Checked> checked_;  // null unless checked
 };
 
 }  // namespace vmalloc

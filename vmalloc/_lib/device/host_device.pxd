@@ -12,6 +12,7 @@ cdef extern from "vmalloc/device/host_device.hpp" namespace "vmalloc" nogil:
         size_t granularity
         bool backed
         int ordinal
+        bool checked
 
     cdef cppclass CHostDeviceState "vmalloc::HostDeviceState":
         size_t physical_allocations
@@ -27,10 +28,14 @@ cdef extern from "vmalloc/device/host_device.hpp" namespace "vmalloc" nogil:
         size_t streams
         size_t events
         size_t vmas
+        size_t live_allocations
+        size_t bytes_guarded
+        size_t unguarded_frees
 
     cdef cppclass CHostDevice "vmalloc::HostDevice"(CDevice):
         CHostDevice(const CHostDeviceOptions& options) except +vmalloc_raise_py_error
         CHostDeviceState state() except +vmalloc_raise_py_error
+        bool checked()
         uint64_t hold_stream(uintptr_t stream) except +vmalloc_raise_py_error
         uintptr_t create_stream(bool non_blocking) except +vmalloc_raise_py_error
         void release_hold(uint64_t hold) except +vmalloc_raise_py_error

@@ -79,4 +79,19 @@ struct HostDevice::HostBlock {
   std::size_t size = 0;  // page-rounded
 };
 
+// Checked mode's books (host_device_checked.cpp). Disjoint intervals keyed by start.
+struct HostDevice::Checked {
+  struct Freed {
+    device_ptr end = 0;            // these bytes [key, end) were freed and not handed out since
+    device_ptr allocation = 0;     // the allocation they belonged to, for messages
+    std::size_t allocation_size = 0;
+  };
+  std::map<device_ptr, std::size_t> live;    // start -> size: what allocators said is live
+  std::map<device_ptr, Freed> freed;
+  std::map<device_ptr, device_ptr> guarded;  // page runs [lo, hi) made PROT_NONE, merged
+  std::size_t bytes_guarded = 0;
+  std::size_t vmas = 0;                      // VMAs reserved for the guards: 2 per run
+  std::size_t unguarded_frees = 0;
+};
+
 }  // namespace vmalloc
