@@ -155,6 +155,7 @@ cdef class Snapshot:
 
     cdef PickleReader* reader
     cdef SnapshotHistory* history
+    cdef object __weakref__  # readers of one file share it (_fast._shared_snapshots)
     cdef object built  # None until build(), then its result
     #: The snapshot's "allocator_settings" when it is a dict, else None.
     cdef readonly object allocator_settings

@@ -150,9 +150,17 @@ bool SnapshotHistory::build(PickleReader& pickle) {
     entries_.push_back(entry);
     return entries_.size() - 1;
   };
+  // A list met again (the memo shares one list between several devices) shares the rows of
+  // its first place: memory stays bounded by what the file decodes to, not by its references.
+  std::unordered_map<std::uint64_t, std::size_t> seen;  // container -> its first device
   pickle.each(*traces, [&](const V& history) {
     Device device;
     if (history.kind == V::list) {
+      auto [it, first_time] = seen.try_emplace(history.v, devices.size());
+      if (!first_time) {
+        devices.push_back(devices[it->second]);
+        return;
+      }
       if (!pickle.complete(history)) ok = false;
       device.is_list = true;
       device.length = pickle.container(history).count;

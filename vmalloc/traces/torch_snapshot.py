@@ -32,7 +32,7 @@ import io
 import pickle
 import zlib
 
-from vmalloc.errors import InvalidArgumentError, TraceFormatError
+from vmalloc.errors import InvalidArgumentError, OutOfMemoryError, TraceFormatError
 from vmalloc.traces import _fast
 from vmalloc.traces._fields import AUTO, only_gpu_device, u64
 from vmalloc.traces._files import CappedReader, open_binary
@@ -87,8 +87,8 @@ def _unpickle(f, path):
     except RecursionError:
         raise TraceFormatError("not a PyTorch memory snapshot: pickle nested too deeply", path)
     except MemoryError:
-        raise TraceFormatError(
-            "not a PyTorch memory snapshot: unpickling it runs out of memory", path) from None
+        raise OutOfMemoryError(f"{path}: reading the PyTorch memory snapshot needs more memory "
+                               "than this machine has") from None
     except Exception as error:  # pickle reports corruption with many exception types
         raise TraceFormatError(
             f"not a PyTorch memory snapshot: cannot unpickle ({type(error).__name__}: "
