@@ -259,12 +259,26 @@ def test_cli_one_event_of_2_48(tmp_path, capsys):
         assert by[kind]["min_capacity_bytes"] is None
 
 
+#: Prints the peak resident memory of this process in MiB: the high-water mark of its own
+#: address space (VmHWM), which exec resets; ru_maxrss keeps the forking parent's (a test
+#: process that imported PyTorch) across exec.
+_PEAK = """
+import resource
+try:
+    with open("/proc/self/status") as status:
+        print(next(int(l.split()[1]) for l in status if l.startswith("VmHWM:")) // 1024)
+except OSError:
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+"""
+
+
 def _peak_rss_mib(code, *args):
     """Runs ``code`` in a fresh interpreter; its peak resident memory in MiB."""
-    script = code + (
-        "\nimport resource\nprint(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)")
+    script = code + "\n" + _PEAK
     out = subprocess.run([sys.executable, "-P", "-c", script, *args], check=True,
-                         capture_output=True, text=True, env=dict(os.environ)).stdout
+                         capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=os.path.dirname(
+                             os.path.dirname(vmalloc.__file__)))).stdout
     return int(out.split()[-1])
 
 

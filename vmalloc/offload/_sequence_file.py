@@ -44,6 +44,10 @@ _RECORDS = re.compile(rf"{_REC}(?:{_W},{_W}{_REC}){{0,{BATCH - 1}}}")
 _TOKEN = re.compile(rf"{_STR}|[\[\]{{}}]|\"")
 
 
+#: The members decoded whole (up to MAX_META_BYTES of JSON each); others are skipped.
+_DECODED = ("format", "version", "name", "batch", "meta", "variables", "functions")
+
+
 class _Bad(Exception):
     """The file breaks the format; args: (message, record or None)."""
 
@@ -187,11 +191,11 @@ def parse(text, convert_variable, convert_function):
                     pos = _skip(text, pos)
             else:
                 end = _skip(text, pos)
-                if text[pos] in "[{" and key != "meta":
+                if text[pos] in "[{" and key not in _DECODED:
                     members[key] = ...  # not read by the format: not decoded
                 elif end - pos > MAX_META_BYTES:
-                    raise _Bad(f"meta takes {end - pos:,} bytes of JSON, more than the "
-                               f"{MAX_META_BYTES:,} the loader decodes; refused", "meta")
+                    raise _Bad(f"takes {end - pos:,} bytes of JSON, more than the "
+                               f"{MAX_META_BYTES:,} the loader decodes; refused", key)
                 else:
                     try:
                         members[key] = json.loads(text[pos:end])
