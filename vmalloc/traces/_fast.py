@@ -1,5 +1,5 @@
 """The fast path of the text readers (RMM CSV, Kineto JSON): parsing and normalization in C++
-(``src/trace/trace_parse.cpp`` through ``vmalloc._trace_parse``), with the Python readers as the
+(``src/trace/rmm_csv.cpp``, ``kineto_scanner.cpp``, ``normalizer.cpp`` through ``vmalloc._trace_parse``), with the Python readers as the
 reference. PyTorch snapshots are read by a restricted unpickler in C++ (:func:`snapshot`) and
 their records normalized by the same C++ pass.
 

@@ -69,6 +69,7 @@ def normalized_batches(records, info, live_before=None):
     ``info`` receives the counters; ``info.complete`` is set when the records are exhausted.
     """
     live = {}  # addr -> size
+    freed = set()  # addresses freed and not allocated again: a second free is a double free
     streams_seen = set()
     ops, streams, addrs, sizes = [], [], [], []
     live_bytes = 0
@@ -122,6 +123,8 @@ def normalized_batches(records, info, live_before=None):
                     yield make_batch(ops, streams, addrs, sizes)
                     ops, streams, addrs, sizes = [], [], [], []
             live[addr] = size
+            if freed:
+                freed.discard(addr)
             n_alloc += 1
             alloc_bytes += size
             if size > largest:
@@ -135,9 +138,13 @@ def normalized_batches(records, info, live_before=None):
                 continue
             allocated = live.pop(addr, None)
             if allocated is None:
+                if addr in freed:  # freed already, not allocated again since
+                    info.double_frees += 1
+                    continue
                 info.unmatched_frees += 1
                 info.unmatched_free_bytes += size
                 continue
+            freed.add(addr)
             if size and size != allocated:
                 info.free_size_mismatches += 1
             size = allocated
