@@ -16,9 +16,7 @@ void Normalizer::live_before(const TraceEvent* events, std::size_t n) {
       skip(live_size_unknown);
       continue;
     }
-    Slot& slot = live_[e.addr];
-    if (!slot.live) ++live_count_;
-    slot = Slot{e.size, true};
+    live_[e.addr] = e.size;
     synthetic_.insert(e.addr);
     streams_.insert(e.stream);
     pending.push_back(make_event(TraceEvent::op_alloc, e.stream, e.addr, e.size));
@@ -45,17 +43,15 @@ void Normalizer::feed(const TraceEvent* records, std::size_t n) {
         skip(alloc_at_zero);
         continue;
       }
-      Slot& slot = *live_.try_emplace(r.addr).first;
-      if (slot.live) {
+      auto [old, inserted] = live_.try_emplace(r.addr, size);
+      if (!inserted) {
         if (!synthetic_.empty()) synthetic_.erase(r.addr);
         ++implicit_frees;
         ++frees;
-        live_bytes -= slot.size;
-        pending.push_back(make_event(TraceEvent::op_free, r.stream, r.addr, slot.size));
-      } else {
-        ++live_count_;
+        live_bytes -= *old;
+        pending.push_back(make_event(TraceEvent::op_free, r.stream, r.addr, *old));
+        *old = size;
       }
-      slot = Slot{size, true};
       ++allocs;
       alloc_bytes += size;
       if (size > largest) largest = size;
@@ -66,19 +62,22 @@ void Normalizer::feed(const TraceEvent* records, std::size_t n) {
         skip(free_of_zero);
         continue;
       }
-      Slot* slot = live_.find(r.addr);
-      if (slot == nullptr || !slot->live) {
-        if (slot != nullptr) {
-          ++double_frees;  // freed already, not allocated again since
+      const std::size_t at = live_.find_slot(r.addr);
+      const std::size_t recent = static_cast<std::size_t>(
+          (r.addr * 0x9E3779B97F4A7C15ull) >> (64 - recent_bits));
+      if (at == live_.npos) {
+        if (!recent_frees_.empty() && recent_frees_[recent] == r.addr) {
+          ++double_frees;  // freed already (not live since: a new ALLOC would make it live)
         } else {
           ++unmatched_frees;
           unmatched_free_bytes += size;
         }
         continue;
       }
-      std::uint64_t allocated = slot->size;
-      slot->live = false;
-      --live_count_;
+      std::uint64_t allocated = live_.value_at(at);
+      live_.erase_at(at);
+      if (recent_frees_.empty()) recent_frees_.assign(std::size_t{1} << recent_bits, 0);
+      recent_frees_[recent] = r.addr;
       if (size && size != allocated) ++free_size_mismatches;
       size = allocated;
       if (!synthetic_.empty() && synthetic_.erase(r.addr)) {

@@ -23,9 +23,11 @@ class Normalizer {
   std::uint64_t skipped[n_reasons] = {};
   std::vector<int> reason_order;  // reasons in order of first skip
   std::uint64_t implicit_frees = 0, unmatched_frees = 0, free_size_mismatches = 0;
-  // FREEs of an address the trace allocated and freed already (not allocated again since):
-  // counted apart from the unmatched frees (memory the trace never allocated).
+  // FREEs of an address the trace allocated and freed already (not allocated again since),
+  // recognized while that free is among the recent ones (recent_bits): counted apart from the
+  // unmatched frees (memory the trace never allocated).
   std::uint64_t double_frees = 0;
+  static constexpr unsigned recent_bits = 16;  // 65,536 slots, 512 KiB
   std::uint64_t synthetic_allocs = 0, frees_before_window = 0;
   // Sums that Python keeps as unbounded ints: 128 bits here, read with wide().
   unsigned __int128 unmatched_free_bytes = 0, synthetic_alloc_bytes = 0, alloc_bytes = 0;
@@ -43,20 +45,17 @@ class Normalizer {
     lo = static_cast<std::uint64_t>(v);
   }
   std::uint64_t allocs = 0, frees = 0, largest = 0;
-  std::size_t live_count() const { return live_count_; }
+  std::size_t live_count() const { return live_.size(); }
   std::size_t stream_count() const { return streams_.size(); }
 
  private:
   void skip(Reason r);
-  // Every address the trace allocated: its size and whether it is live (so that a
-  // second FREE is told from a FREE of memory never allocated). Bounded by the trace's
-  // distinct addresses.
-  struct Slot {
-    std::uint64_t size = 0;
-    bool live = false;
-  };
-  vmalloc::detail::FlatMap<Slot> live_;
-  std::size_t live_count_ = 0;
+  vmalloc::detail::FlatMap<std::uint64_t> live_;  // live address -> its size
+  // The address of the last free that hashed to each slot (empty until the first free): an
+  // address not live that is found here was freed already, so freeing it again is a double
+  // free. Direct-mapped so that remembering frees costs one store, not a table that grows
+  // with every address the trace ever used.
+  std::vector<std::uint64_t> recent_frees_;
   std::unordered_set<std::uint64_t> synthetic_;  // synthetic ALLOCs not freed yet
   std::unordered_set<std::uint64_t> streams_;
   std::uint64_t last_stream_ = 0;  // streams_ holds it: most events are on the same stream
