@@ -321,7 +321,9 @@ def test_running_out_of_memory_is_not_called_a_bad_snapshot(tmp_path, monkeypatc
         with pytest.raises(vmalloc.OutOfMemoryError, match="needs more memory") as info:
             _fast.snapshot(path, torch_snapshot.MAX_SNAPSHOT_BYTES)
         assert "not a PyTorch memory snapshot" not in str(info.value)
+    # Python's unpickler: a MemoryError may also come of a corrupt length field; either way
+    # the message says memory, not "not a PyTorch memory snapshot".
     monkeypatch.setattr(torch_snapshot, "_NoClassesUnpickler", Exhausted)
-    with pytest.raises(vmalloc.OutOfMemoryError, match="needs more memory") as info:
+    with pytest.raises(vmalloc.TraceFormatError, match="more memory than this machine") as info:
         torch_snapshot.load_snapshot(path)
     assert "not a PyTorch memory snapshot" not in str(info.value)
