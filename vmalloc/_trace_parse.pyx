@@ -1,6 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """The C++ fast path of the RMM CSV and Kineto JSON readers and of their normalization
-(src/trace/trace_parse.cpp), and of the PyTorch snapshot reader (a restricted unpickler,
+(src/trace/rmm_csv.cpp, kineto_scanner.cpp, normalizer.cpp, before_window.cpp), and of the
+PyTorch snapshot reader (a restricted unpickler,
 src/trace/pickle_reader.cpp, and the snapshot's rules, src/trace/torch_snapshot.cpp), driven by
 :mod:`vmalloc.traces._fast`."""
 
@@ -39,13 +40,10 @@ from vmalloc._lib.trace.pickle_reader cimport (
 )
 from vmalloc._lib.trace.replay cimport TraceEvent
 from vmalloc._lib.trace.torch_snapshot cimport SnapshotDevice, SnapshotHistory
-from vmalloc._lib.trace.trace_parse cimport (
-    BeforeWindowScanner,
-    DeviceScan,
-    KinetoScanner,
-    Normalizer,
-    RmmCsvParser,
-)
+from vmalloc._lib.trace.before_window cimport BeforeWindowScanner
+from vmalloc._lib.trace.kineto_scanner cimport DeviceScan, KinetoScanner
+from vmalloc._lib.trace.normalizer cimport Normalizer
+from vmalloc._lib.trace.rmm_csv cimport RmmCsvParser
 
 
 #: Normalizer::Reason, as _normalize.py words them.
@@ -155,6 +153,7 @@ cdef class Snapshot:
 
     cdef PickleReader* reader
     cdef SnapshotHistory* history
+    cdef object __weakref__  # readers of one file share it (_fast._shared_snapshots)
     cdef object built  # None until build(), then its result
     #: The snapshot's "allocator_settings" when it is a dict, else None.
     cdef readonly object allocator_settings
@@ -486,6 +485,7 @@ cdef class Pass:
         return skipped, {
             "implicit_frees": n.implicit_frees,
             "unmatched_frees": n.unmatched_frees,
+            "double_frees": n.double_frees,
             "unmatched_free_bytes": self._wide(0),
             "free_size_mismatches": n.free_size_mismatches,
             "synthetic_allocs": n.synthetic_allocs,

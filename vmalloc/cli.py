@@ -170,14 +170,16 @@ def _flatten(lists):
 
 
 def _report(results, args):
-    from vmalloc.replay import before_window_note, format_table
+    from vmalloc.replay import before_window_note, double_free_note, format_table
 
     warned = set()
     for r in results:
-        if r.trace not in warned and r.unmatched_frees:
+        if r.trace not in warned and (r.unmatched_frees or r.double_frees):
             warned.add(r.trace)
-            print(f"vmalloc {args.command}: warning: {r.trace}: {before_window_note(r)}",
-                  file=sys.stderr)
+            for note in (before_window_note(r), double_free_note(r)):
+                if note:
+                    print(f"vmalloc {args.command}: warning: {r.trace}: {note}",
+                          file=sys.stderr)
 
     if args.json:
         json.dump([r.to_dict() for r in results], sys.stdout, indent=2)

@@ -141,6 +141,7 @@ class ReplayResult:
     before_window: Optional[str] = None
     unmatched_frees: Optional[int] = None
     unmatched_free_bytes: Optional[int] = None
+    double_frees: Optional[int] = None
     live_before_window_bytes: Optional[int] = None
     recorded_peak_allocated_bytes: Optional[int] = None
     recorded_peak_reserved_bytes: Optional[int] = None
@@ -508,6 +509,7 @@ def _trace_facts(source):
         "before_window": info.before_window,
         "unmatched_frees": info.frees_before_window + info.unmatched_frees,
         "unmatched_free_bytes": info.free_before_window_bytes + info.unmatched_free_bytes,
+        "double_frees": info.double_frees,
         "live_before_window_bytes": info.synthetic_alloc_bytes if live else 0,
         "recorded_peak_allocated_bytes": meta.get("recorded_peak_allocated_bytes"),
         "recorded_peak_reserved_bytes": meta.get("recorded_peak_reserved_bytes"),
@@ -814,6 +816,14 @@ def before_window_note(r):
     if not r.unmatched_frees:
         return None
     return text + "; dropped (--before-window live replays that memory from the start)"
+
+
+def double_free_note(r):
+    """One line on the trace's double frees (frees of memory it freed already), or None."""
+    if not r.double_frees:
+        return None
+    return (f"double frees: {r.double_frees:,} (frees of memory the trace had freed already "
+            "and not allocated again); dropped")
 
 
 def _recorded_column(r, labels):

@@ -389,10 +389,10 @@ PickleReader::Status PickleReader::feed(const char* data, std::size_t n) {
       }
       buf_.append(data, k);
       if (run() == Status::more && memory() > memory_budget(received_)) {
-        error_ = "not a PyTorch memory snapshot: its structure would take more than " +
+        error_ = "refusing to read this pickle: its structure would take more than " +
                  thousands(memory_budget(received_)) + " bytes of memory after " +
                  thousands(received_) + " bytes of pickle (byte " + std::to_string(base_ + pos_) +
-                 "); refusing to read it";
+                 "), several times what a PyTorch memory snapshot of its size takes";
         status_ = Status::error;
       }
     }

@@ -8,6 +8,8 @@
 #include <cstring>
 #include <unordered_map>
 
+#include "vmalloc/base/detail/flat_map.hpp"
+
 namespace vmalloc::trace_parse {
 namespace {
 
@@ -33,71 +35,8 @@ inline bool as_u64_or_zero(const V* value, std::uint64_t& out) {
   return as_u64(value, out);
 }
 
-// A set of addresses with a byte each: open addressing, linear probing (0 marks an empty
-// slot; address 0 has a slot of its own). One probe an entry on million-entry histories.
-class AddressMap {
- public:
-  explicit AddressMap(std::size_t expected) {
-    std::size_t size = 16;
-    while (size < 2 * expected) size *= 2;
-    keys_.assign(size, 0);
-    values_.assign(size, 0);
-    shift_ = 64 - static_cast<unsigned>(__builtin_ctzll(size));
-  }
-  // The address's byte, inserted as 0 if new.
-  std::uint8_t& operator[](std::uint64_t addr) {
-    if (addr == 0) {
-      has_zero_ = true;
-      return zero_;
-    }
-    if (4 * (used_ + 1) > 3 * keys_.size()) grow();
-    std::size_t mask = keys_.size() - 1;
-    std::size_t j = static_cast<std::size_t>((addr * 0x9E3779B97F4A7C15ull) >> shift_);
-    for (;;) {
-      if (keys_[j] == addr) return values_[j];
-      if (keys_[j] == 0) {
-        keys_[j] = addr;
-        ++used_;
-        return values_[j];
-      }
-      j = (j + 1) & mask;
-    }
-  }
-  // The address's byte, or nullptr if absent.
-  const std::uint8_t* find(std::uint64_t addr) const {
-    if (addr == 0) return has_zero_ ? &zero_ : nullptr;
-    std::size_t mask = keys_.size() - 1;
-    std::size_t j = static_cast<std::size_t>((addr * 0x9E3779B97F4A7C15ull) >> shift_);
-    for (;;) {
-      if (keys_[j] == addr) return &values_[j];
-      if (keys_[j] == 0) return nullptr;
-      j = (j + 1) & mask;
-    }
-  }
-
- private:
-  void grow() {
-    std::vector<std::uint64_t> keys(keys_.size() * 2, 0);
-    std::vector<std::uint8_t> values(keys.size(), 0);
-    keys.swap(keys_);
-    values.swap(values_);
-    shift_ = 64 - static_cast<unsigned>(__builtin_ctzll(keys_.size()));
-    std::size_t mask = keys_.size() - 1;
-    for (std::size_t i = 0; i < keys.size(); ++i) {
-      if (keys[i] == 0) continue;
-      std::size_t j = static_cast<std::size_t>((keys[i] * 0x9E3779B97F4A7C15ull) >> shift_);
-      while (keys_[j] != 0) j = (j + 1) & mask;
-      keys_[j] = keys[i];
-      values_[j] = values[i];
-    }
-  }
-  std::vector<std::uint64_t> keys_;
-  std::vector<std::uint8_t> values_;
-  std::size_t used_ = 0;
-  unsigned shift_ = 64;
-  std::uint8_t zero_ = 0;
-  bool has_zero_ = false;
-};
+// A set of addresses with a byte each (one probe an entry on million-entry histories).
+using AddressMap = vmalloc::detail::FlatMap<std::uint8_t>;
 
 constexpr std::uint32_t a_alloc = 0, a_free_requested = 1, a_free_completed = 2;
 
@@ -150,9 +89,17 @@ bool SnapshotHistory::build(PickleReader& pickle) {
     entries_.push_back(entry);
     return entries_.size() - 1;
   };
+  // A list met again (the memo shares one list between several devices) shares the rows of
+  // its first place: memory stays bounded by what the file decodes to, not by its references.
+  std::unordered_map<std::uint64_t, std::size_t> seen;  // container -> its first device
   pickle.each(*traces, [&](const V& history) {
     Device device;
     if (history.kind == V::list) {
+      auto [it, first_time] = seen.try_emplace(history.v, devices.size());
+      if (!first_time) {
+        devices.push_back(devices[it->second]);
+        return;
+      }
       if (!pickle.complete(history)) ok = false;
       device.is_list = true;
       device.length = pickle.container(history).count;

@@ -257,3 +257,73 @@ def test_cli_one_event_of_2_48(tmp_path, capsys):
         assert by[kind]["out_of_memory_request_bytes"] == 1 << 48
         assert by[kind]["utilization"] is None
         assert by[kind]["min_capacity_bytes"] is None
+
+
+#: Prints the peak resident memory of this process in MiB: the high-water mark of its own
+#: address space (VmHWM), which exec resets; ru_maxrss keeps the forking parent's (a test
+#: process that imported PyTorch) across exec.
+_PEAK = """
+import resource
+try:
+    with open("/proc/self/status") as status:
+        print(next(int(l.split()[1]) for l in status if l.startswith("VmHWM:")) // 1024)
+except OSError:
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+"""
+
+
+def _peak_rss_mib(code, *args):
+    """Runs ``code`` in a fresh interpreter; its peak resident memory in MiB."""
+    script = code + "\n" + _PEAK
+    out = subprocess.run([sys.executable, "-P", "-c", script, *args], check=True,
+                         capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=os.path.dirname(
+                             os.path.dirname(vmalloc.__file__)))).stdout
+    return int(out.split()[-1])
+
+
+def test_snapshot_of_shared_device_lists_reads_in_bounded_memory(tmp_path):
+    # A 3 KB pickle whose 300 devices are memo references to one list of 1,000 references to
+    # two dicts: 300,000 history entries decoded. Each device's reader used to unpickle the
+    # file again and copy the list's rows once per reference (1.5 GB for the 300 readers; the
+    # 1,000-device file took 1.2-9 GB and ended in "not a PyTorch memory snapshot: reading it
+    # runs out of memory"): the readers now share one reading, whose rows are shared with the
+    # list. Generous bound: about 45 MiB measured, the interpreter and NumPy included.
+    alloc = {"action": "alloc", "addr": 4096, "size": 512, "stream": 0}
+    free = {"action": "free_completed", "addr": 4096, "size": 512, "stream": 0}
+    history = [alloc, free] * 500
+    path = tmp_path / "shared.pickle"
+    path.write_bytes(pickle.dumps({"device_traces": [history] * 300, "segments": []}, 4))
+    assert path.stat().st_size < 4096
+    peak = _peak_rss_mib(
+        "import sys\nfrom vmalloc.traces import open_trace, trace_devices\n"
+        "counts = trace_devices(sys.argv[1])\n"
+        "assert counts == {f'cuda:{i}': 1000 for i in range(300)}, counts\n"
+        "traces = [open_trace(sys.argv[1], device=d) for d in counts]\n"
+        "events = [sum(len(b) for b in t.batches()) for t in traces]\n"
+        "assert events == [1000] * 300, events", str(path))
+    assert peak < 300, f"{peak} MiB"
+
+
+def test_running_out_of_memory_is_not_called_a_bad_snapshot(tmp_path, monkeypatch):
+    # Was TraceFormatError("not a PyTorch memory snapshot: reading it runs out of memory").
+    from vmalloc.traces import _fast, torch_snapshot
+
+    path = tmp_path / "s.pickle"
+    path.write_bytes(pickle.dumps({"device_traces": [[]]}))
+
+    class Exhausted:
+        def __init__(self, *args):
+            raise MemoryError
+
+    if _fast._trace_parse is not None:
+        monkeypatch.setattr(_fast._trace_parse, "Snapshot", Exhausted)
+        with pytest.raises(vmalloc.OutOfMemoryError, match="needs more memory") as info:
+            _fast.snapshot(path, torch_snapshot.MAX_SNAPSHOT_BYTES)
+        assert "not a PyTorch memory snapshot" not in str(info.value)
+    # Python's unpickler: a MemoryError may also come of a corrupt length field; either way
+    # the message says memory, not "not a PyTorch memory snapshot".
+    monkeypatch.setattr(torch_snapshot, "_NoClassesUnpickler", Exhausted)
+    with pytest.raises(vmalloc.TraceFormatError, match="more memory than this machine") as info:
+        torch_snapshot.load_snapshot(path)
+    assert "not a PyTorch memory snapshot" not in str(info.value)

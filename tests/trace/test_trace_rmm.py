@@ -109,3 +109,31 @@ def test_not_an_rmm_log(tmp_path):
     empty.write_text("")
     with pytest.raises(vmalloc.TraceFormatError, match="empty file"):
         open_trace(empty).scan()
+
+
+@pytest.mark.parametrize("python_readers", [False, True])
+def test_double_free_is_called_a_double_free(tmp_path, monkeypatch, capsys, python_readers):
+    # Was counted (and reported) as a free of memory the trace never allocated.
+    from vmalloc.cli import main
+
+    if python_readers:
+        monkeypatch.setenv("VMALLOC_PYTHON_READERS", "1")
+    path = write_log(
+        tmp_path / "double.csv",
+        "1,14:03:22.1,allocate,0x1000,1024,0\n"
+        "1,14:03:22.2,free,0x1000,1024,0\n"
+        "1,14:03:22.3,free,0x1000,1024,0\n"       # the double free
+        "1,14:03:22.4,free,0x9000,512,0\n"        # never allocated
+        "1,14:03:22.5,allocate,0x1000,256,0\n"
+        "1,14:03:22.6,free,0x1000,256,0\n",       # a free again after a new allocation
+    )
+    trace = open_trace(path)
+    assert as_tuples(trace.events()) == [
+        (ALLOC, 0, 0x1000, 1024), (FREE, 0, 0x1000, 1024),
+        (ALLOC, 0, 0x1000, 256), (FREE, 0, 0x1000, 256)]
+    info = trace.info
+    assert (info.double_frees, info.unmatched_frees, info.unmatched_free_bytes) == (1, 1, 512)
+    assert main(["replay", str(path), "-a", "caching", "--no-min-capacity"]) == 0
+    err = capsys.readouterr().err
+    assert "double frees: 1 (frees of memory the trace had freed already" in err
+    assert "frees of memory the trace never allocated: 1 (512 B)" in err

@@ -32,8 +32,9 @@ from vmalloc.sizes import MAX_SIZE, parse_size
 
 FORMAT = "vmalloc-function-sequence"
 VERSION = 1
-#: A sequence file larger than this (decompressed) is refused: 1 GiB holds ~10^7 functions.
-MAX_FILE_BYTES = 1 << 30
+#: A sequence file larger than this (decompressed) is refused as soon as its text passes it:
+#: 256 MiB holds ~5 x 10^6 functions, and loading takes at most ~10x its text in memory.
+MAX_FILE_BYTES = 256 << 20
 
 
 class SequenceFormatError(VmallocError, ValueError):
@@ -262,32 +263,41 @@ class FunctionSequence:
     @classmethod
     def load(cls, path) -> "FunctionSequence":
         """Reads a file written by :meth:`save`. Raises SequenceFormatError naming the file and
-        the record for anything that is not a valid sequence; reads at most MAX_FILE_BYTES."""
+        the record for anything that is not a valid sequence, and for what is not a regular
+        file (a FIFO). Reads at most MAX_FILE_BYTES (decompressed) and decodes one record at
+        a time: memory is bounded by the text and the sequence (``_sequence_file``)."""
+        from vmalloc.offload import _sequence_file
+
         path = os.fspath(path)
+        text = _sequence_file.read_text(
+            path, MAX_FILE_BYTES, lambda message: SequenceFormatError(message, path))
         try:
-            with open(path, "rb") as raw:
-                head = raw.read(2)
-                raw.seek(0)
-                stream = gzip.GzipFile(fileobj=raw) if head == b"\x1f\x8b" else raw
-                data = stream.read(MAX_FILE_BYTES + 1)
-        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
-            # (BadGzipFile is an OSError: catch it first)
-            raise SequenceFormatError(f"corrupt gzip data: {e}", path) from None
-        except OSError as e:
-            raise SequenceFormatError(f"cannot read: {e.strerror or e}", path) from None
-        if len(data) > MAX_FILE_BYTES:
-            raise SequenceFormatError(
-                f"larger than {MAX_FILE_BYTES} bytes decompressed; refused", path)
-        try:
-            obj = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise SequenceFormatError(f"not JSON: {e}", path) from None
+            obj = _sequence_file.parse(text, _variable, _function)
+        except _sequence_file._Bad as bad:
+            raise SequenceFormatError(bad.args[0], path, bad.args[1]) from None
         except RecursionError:
             raise SequenceFormatError("JSON nested too deeply", path) from None
-        return cls.from_dict(obj, path)
+        return cls._from_members(obj, path)
 
     @classmethod
     def from_dict(cls, obj, path=None) -> "FunctionSequence":
+        """The sequence of a dict such as :meth:`to_dict` returns; SequenceFormatError where it
+        is not one."""
+        if isinstance(obj, dict):
+            obj = dict(obj)
+            for key, convert in (("variables", _variable), ("functions", _function)):
+                records = obj.get(key)
+                if isinstance(records, list):
+                    try:
+                        obj[key] = [convert(rec, i) for i, rec in enumerate(records)]
+                    except _RecordError as bad:
+                        obj[key] = bad
+        return cls._from_members(obj, path)
+
+    @classmethod
+    def _from_members(cls, obj, path):
+        """The sequence of a file's top-level object whose records are converted already (or
+        the _RecordError of the first refused)."""
         def fail(msg, record=None):
             raise SequenceFormatError(msg, path, record)
 
@@ -305,42 +315,67 @@ class FunctionSequence:
         seq = cls(str(obj.get("name", "")), batch, meta)
         variables = obj.get("variables")
         functions = obj.get("functions")
+        for records in (variables, functions):
+            if isinstance(records, Exception):
+                raise SequenceFormatError(records.args[0], path, records.args[1])
         if not isinstance(variables, list) or not isinstance(functions, list):
             fail("variables and functions must be lists")
-        for i, rec in enumerate(variables):
-            if (not isinstance(rec, list) or len(rec) != 4 or not _is_size(rec[0])
-                    or not _is_size(rec[1]) or rec[2] not in (0, 1)
-                    or not isinstance(rec[3], str)):
-                fail("expected [nbytes, per_sample_bytes, persistent 0|1, name] with sizes "
-                     f"0..2**56, got {str(rec)[:80]}", f"variables[{i}]")
-            seq.variables.append(Variable(i, rec[0], bool(rec[2]), rec[3], rec[1]))
-        nvar = len(seq.variables)
-        for i, rec in enumerate(functions):
-            if (not isinstance(rec, list) or len(rec) != 6 or not isinstance(rec[0], str)
-                    or not _is_ids(rec[1], nvar) or not _is_ids(rec[2], nvar)
-                    or not _is_cost(rec[3]) or not _is_cost(rec[4], allow_none=False)
-                    or not _is_cost(rec[5])):
-                fail("expected [name, [input ids], [output ids], flops|null, per_sample_flops, "
-                     f"seconds|null] with ids below {nvar}, got {str(rec)[:80]}",
-                     f"functions[{i}]")
-            seq.functions.append(Function(
-                i, rec[0], tuple(rec[1]), tuple(rec[2]),
-                None if rec[3] is None else float(rec[3]),
-                None if rec[5] is None else float(rec[5]), float(rec[4])))
+        seq.variables = variables
+        nvar = len(variables)
+        for f in functions:
+            if any(v >= nvar for v in f.inputs) or any(v >= nvar for v in f.outputs):
+                fail(_FUNCTION_SHAPE.format(nvar=nvar, rec=str(
+                    [f.name, list(f.inputs), list(f.outputs)])[:80]), f"functions[{f.index}]")
+        seq.functions = functions
         return seq
+
+
+class _RecordError(ValueError):
+    """A record refused: args (message, record)."""
+
+
+_FUNCTION_SHAPE = ("expected [name, [input ids], [output ids], flops|null, per_sample_flops, "
+                   "seconds|null] with ids below {nvar}, got {rec}")
+
+
+def _variable(rec, i):
+    if (not isinstance(rec, list) or len(rec) != 4 or not _is_size(rec[0])
+            or not _is_size(rec[1]) or rec[2] not in (0, 1)
+            or not isinstance(rec[3], str)):
+        raise _RecordError("expected [nbytes, per_sample_bytes, persistent 0|1, name] with "
+                           f"sizes 0..2**56, got {str(rec)[:80]}", f"variables[{i}]")
+    return Variable(i, rec[0], bool(rec[2]), rec[3], rec[1])
+
+
+def _function(rec, i):
+    """A Function of a record; its ids are checked against the variables by the caller (the
+    file may list the functions first)."""
+    if (not isinstance(rec, list) or len(rec) != 6 or not isinstance(rec[0], str)
+            or not _is_ids(rec[1]) or not _is_ids(rec[2])
+            or not _is_cost(rec[3]) or not _is_cost(rec[4], allow_none=False)
+            or not _is_cost(rec[5])):
+        raise _RecordError(_FUNCTION_SHAPE.format(nvar="the number of variables", rec=str(rec)[:80]),
+                           f"functions[{i}]")
+    return Function(i, rec[0], tuple(rec[1]), tuple(rec[2]),
+                    None if rec[3] is None else float(rec[3]),
+                    None if rec[5] is None else float(rec[5]), float(rec[4]))
 
 
 def _is_size(x):
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_SIZE
 
 
-def _is_ids(x, n):
+def _is_ids(x):
     return isinstance(x, list) and all(
-        isinstance(v, int) and not isinstance(v, bool) and 0 <= v < n for v in x)
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v for v in x)
 
 
 def _is_cost(x, allow_none=True):
     if x is None:
         return allow_none
-    return (isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0
-            and x != float("inf"))
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:  # an int past a double's range (10**400) is refused, not an OverflowError
+        return 0 <= float(x) < float("inf")
+    except OverflowError:
+        return False

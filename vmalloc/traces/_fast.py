@@ -1,5 +1,5 @@
 """The fast path of the text readers (RMM CSV, Kineto JSON): parsing and normalization in C++
-(``src/trace/trace_parse.cpp`` through ``vmalloc._trace_parse``), with the Python readers as the
+(``src/trace/rmm_csv.cpp``, ``kineto_scanner.cpp``, ``normalizer.cpp`` through ``vmalloc._trace_parse``), with the Python readers as the
 reference. PyTorch snapshots are read by a restricted unpickler in C++ (:func:`snapshot`) and
 their records normalized by the same C++ pass.
 
@@ -21,11 +21,12 @@ import json
 import os
 import queue
 import threading
+import weakref
 import zlib
 
 import numpy as np
 
-from vmalloc.errors import TraceFormatError
+from vmalloc.errors import OutOfMemoryError, TraceFormatError
 from vmalloc.traces import _normalize
 from vmalloc.traces._files import open_binary
 from vmalloc.traces._record_reader import RecordReaderPass
@@ -261,7 +262,12 @@ def snapshot(path, limit, keep=False):
     key = (_identity(path), limit)
     found, _snapshot = _snapshot, None
     if found is not None and key[0] is not None and found[0] == key:
+        _shared_snapshots[key] = found[1]
         return found[1]
+    if key[0] is not None:
+        shared = _shared_snapshots.get(key)
+        if shared is not None:
+            return shared
     status = "more"
     file_passes += 1
     try:
@@ -282,11 +288,18 @@ def snapshot(path, limit, keep=False):
         if status != "done" or not parsed.build():
             return None
     except MemoryError:
-        raise TraceFormatError("not a PyTorch memory snapshot: reading it runs out of memory",
-                               path) from None
-    if keep and key[0] is not None:
-        _snapshot = (key, parsed)
+        raise OutOfMemoryError(f"{path}: reading the PyTorch memory snapshot needs more memory "
+                               "than this machine has") from None
+    if key[0] is not None:
+        _shared_snapshots[key] = parsed
+        if keep:
+            _snapshot = (key, parsed)
     return parsed
+
+
+#: Every built snapshot still in use, by ``(file identity, limit)``: the readers of one file's
+#: devices (the command line replays each) share one reading instead of one each.
+_shared_snapshots = weakref.WeakValueDictionary()
 
 
 def kineto_devices(path):

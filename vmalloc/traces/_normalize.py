@@ -60,6 +60,15 @@ def scan_before_window(records):
     return before
 
 
+#: Frees remembered for telling a double free from a free of memory never allocated: the last
+#: of each of 2**RECENT_BITS slots by address hash (as src/trace/normalizer.cpp).
+RECENT_BITS = 16
+
+
+def _recent_slot(addr):
+    return ((addr * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF) >> (64 - RECENT_BITS)
+
+
 def normalized_batches(records, info, live_before=None):
     """Yields batches of at most BATCH_EVENTS consistent events from ``records``.
 
@@ -69,6 +78,9 @@ def normalized_batches(records, info, live_before=None):
     ``info`` receives the counters; ``info.complete`` is set when the records are exhausted.
     """
     live = {}  # addr -> size
+    # The address of the last free that hashed to each slot, as the C++ normalizer keeps them
+    # (Normalizer::recent_frees_): an address not live found here is a double free.
+    recent = None
     streams_seen = set()
     ops, streams, addrs, sizes = [], [], [], []
     live_bytes = 0
@@ -135,9 +147,15 @@ def normalized_batches(records, info, live_before=None):
                 continue
             allocated = live.pop(addr, None)
             if allocated is None:
+                if recent is not None and recent[_recent_slot(addr)] == addr:
+                    info.double_frees += 1  # freed already (not live since)
+                    continue
                 info.unmatched_frees += 1
                 info.unmatched_free_bytes += size
                 continue
+            if recent is None:
+                recent = [0] * (1 << RECENT_BITS)
+            recent[_recent_slot(addr)] = addr
             if size and size != allocated:
                 info.free_size_mismatches += 1
             size = allocated

@@ -33,6 +33,9 @@ class TraceInfo:
         unmatched_frees: frees of addresses not live at that point (their allocation was
             before the window, or the log lost it); dropped.
         unmatched_free_bytes: the sizes those frees named.
+        double_frees: frees of an address the trace allocated and freed already, not
+            allocated again since (a double free in the log); dropped, and not counted in
+            ``unmatched_frees``.
         synthetic_allocs: ALLOC events added at the start for memory live before the window
             (``before_window="live"`` only).
         synthetic_alloc_bytes: their total size.
@@ -66,6 +69,7 @@ class TraceInfo:
     streams: int = 0
     unmatched_frees: int = 0
     unmatched_free_bytes: int = 0
+    double_frees: int = 0
     synthetic_allocs: int = 0
     synthetic_alloc_bytes: int = 0
     frees_before_window: int = 0

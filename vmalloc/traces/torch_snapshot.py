@@ -87,8 +87,12 @@ def _unpickle(f, path):
     except RecursionError:
         raise TraceFormatError("not a PyTorch memory snapshot: pickle nested too deeply", path)
     except MemoryError:
+        # Python's unpickler allocates what a length field announces before reading it: a
+        # corrupt length fails here as surely as a snapshot too large for the machine.
         raise TraceFormatError(
-            "not a PyTorch memory snapshot: unpickling it runs out of memory", path) from None
+            "cannot unpickle: it asks for more memory than this machine has (a length in the "
+            "pickle past what the file holds, or a snapshot too large for this machine)",
+            path) from None
     except Exception as error:  # pickle reports corruption with many exception types
         raise TraceFormatError(
             f"not a PyTorch memory snapshot: cannot unpickle ({type(error).__name__}: "

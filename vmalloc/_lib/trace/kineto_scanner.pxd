@@ -1,5 +1,4 @@
-# include/vmalloc/trace/trace_parse.hpp: the C++ fast path of the RMM CSV and Kineto JSON
-# readers and of their normalization.
+# include/vmalloc/trace/kineto_scanner.hpp: the C++ scanner of PyTorch profiler (Kineto) JSON.
 from libc.stdint cimport int64_t, uint64_t
 from libcpp cimport bool
 from libcpp.string cimport string
@@ -7,21 +6,11 @@ from libcpp.utility cimport pair
 from libcpp.vector cimport vector
 
 from vmalloc._lib.trace.replay cimport TraceEvent
+from vmalloc._lib.trace.before_window cimport BeforeWindowScanner
 
-
-# The parsers grow vectors as they read: `except +` turns a std::bad_alloc into MemoryError
+# The readers grow vectors as they read: `except +` turns a std::bad_alloc into MemoryError
 # instead of terminating the process.
-cdef extern from "vmalloc/trace/trace_parse.hpp" namespace "vmalloc::trace_parse" nogil:
-    cdef cppclass RmmCsvParser:
-        bool feed(const char* data, size_t n, vector[TraceEvent]& out) except +
-        bool finish(vector[TraceEvent]& out) except +
-        const vector[string]& columns()
-        uint64_t allocate_failures()
-
-    cdef cppclass BeforeWindowScanner:
-        void feed(const TraceEvent* records, size_t n) except +
-        vector[TraceEvent] before
-
+cdef extern from "vmalloc/trace/kineto_scanner.hpp" namespace "vmalloc::trace_parse" nogil:
     cdef cppclass DeviceScan "vmalloc::trace_parse::KinetoScanner::DeviceScan":
         BeforeWindowScanner scan
         bool have_allocated
@@ -48,16 +37,3 @@ cdef extern from "vmalloc/trace/trace_parse.hpp" namespace "vmalloc::trace_parse
         bool scans_ok
         size_t keep_limit, kept_bytes
         bool kept_dropped
-
-    cdef cppclass Normalizer:
-        void live_before(const TraceEvent* events, size_t n) except +
-        void feed(const TraceEvent* records, size_t n) except +
-        vector[TraceEvent] pending
-        uint64_t skipped[4]
-        vector[int] reason_order
-        uint64_t implicit_frees, unmatched_frees, free_size_mismatches, synthetic_allocs
-        uint64_t frees_before_window
-        uint64_t allocs, frees, largest
-        void wide(int which, uint64_t& hi, uint64_t& lo)
-        size_t live_count()
-        size_t stream_count()

@@ -1,5 +1,4 @@
-// Fast paths of the text trace readers (RMM CSV, Kineto JSON) and of the normalization every
-// raw-record reader shares (vmalloc/traces/_normalize.py), for vmalloc/_trace_parse.pyx.
+// The C++ scanner of PyTorch profiler (Kineto) JSON traces, for vmalloc/_trace_parse.pyx.
 //
 // The parsers are streaming: feed() takes blocks of the (decompressed, BOM-stripped) file and
 // appends raw records (op, stream, addr, size) to `out`, holding at most one incomplete line or
@@ -12,59 +11,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
-#include <unordered_map>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
-#include "vmalloc/trace/replay.hpp"
-
-// The scanners' inner functions are not exported: direct calls the compiler can inline.
-#define VMALLOC_TRACE_PARSE_INTERNAL __attribute__((visibility("hidden")))
+#include "vmalloc/trace/before_window.hpp"
+#include "vmalloc/trace/detail/records.hpp"
 
 namespace vmalloc::trace_parse {
-
-using Events = std::vector<TraceEvent>;
-
-// rmm.mr.LoggingResourceAdaptor's CSV (vmalloc/traces/rmm_csv.py).
-class RmmCsvParser {
- public:
-  bool feed(const char* data, std::size_t n, Events& out);
-  bool finish(Events& out);  // end of file
-  const std::vector<std::string>& columns() const { return columns_; }
-  std::uint64_t allocate_failures() const { return failures_; }
-
- private:
-  VMALLOC_TRACE_PARSE_INTERNAL bool line(const char* b, const char* e, Events& out);
-  VMALLOC_TRACE_PARSE_INTERNAL bool header(const char* b, const char* e);
-  std::string carry_;
-  bool have_header_ = false;
-  std::vector<std::string> columns_;
-  std::size_t i_action_ = 0, i_pointer_ = 0, i_size_ = 0, width_ = 0;
-  long i_stream_ = -1;
-  std::uint64_t failures_ = 0;
-};
-
-// vmalloc/traces/_normalize.py's scan_before_window: frees of addresses first seen freed.
-class BeforeWindowScanner {
- public:
-  void feed(const TraceEvent* records, std::size_t n);
-  Events before;  // as ALLOC records (stream, addr, size), in order of appearance
- private:
-  // Open addressing, linear probing: each address seen (never 0: 0 marks an empty slot),
-  // with a bit that says whether it is live (one probe an event, the bits small enough to
-  // stay cached; node-based sets made this scan a tenth of the device count).
-  std::size_t slot(std::uint64_t addr, bool& found);
-  void grow();
-  bool is_live(std::size_t i) const { return (live_[i >> 6] >> (i & 63)) & 1; }
-  void set_live(std::size_t i, bool v) {
-    std::uint64_t bit = std::uint64_t{1} << (i & 63);
-    live_[i >> 6] = v ? live_[i >> 6] | bit : live_[i >> 6] & ~bit;
-  }
-  std::vector<std::uint64_t> keys_, live_;
-  std::size_t used_ = 0;
-  unsigned shift_ = 64;
-};
 
 // The [memory] events of a chrome-trace JSON (vmalloc/traces/kineto.py, _json_stream.py).
 class KinetoScanner {
@@ -74,6 +27,8 @@ class KinetoScanner {
   // device is scanned for memory live before the window (device_scans), so that the pass
   // that follows for one device needs no scan of its own.
   static constexpr std::int64_t count_devices = INT64_MIN;
+  struct Field;        // a member's value as found (kineto_scanner.cpp)
+  struct EventFields;  // the members of an event the reader looks at
   KinetoScanner(std::int64_t want_type, std::int64_t want_id);
   bool feed(const char* data, std::size_t n, Events& out);
   bool finish(Events& out);
@@ -128,7 +83,11 @@ class KinetoScanner {
   VMALLOC_TRACE_PARSE_INTERNAL R string_rest(std::size_t& p, bool& escaped);  // the general case
   VMALLOC_TRACE_PARSE_INTERNAL R number(std::size_t& p, bool& integer);
   VMALLOC_TRACE_PARSE_INTERNAL R literal(std::size_t& p, const char* word, std::size_t len);
+  VMALLOC_TRACE_PARSE_INTERNAL R field(std::size_t& p, Field& f, int depth);
+  VMALLOC_TRACE_PARSE_INTERNAL R args_members(std::size_t& p, EventFields& ev);
   VMALLOC_TRACE_PARSE_INTERNAL R event(std::size_t& p, Events& out);
+  VMALLOC_TRACE_PARSE_INTERNAL void count_event(const EventFields& ev, DeviceScan& d);
+  VMALLOC_TRACE_PARSE_INTERNAL R device_event(const EventFields& ev, Events& out);
   VMALLOC_TRACE_PARSE_INTERNAL R member(std::size_t& p);
   VMALLOC_TRACE_PARSE_INTERNAL std::size_t count_device(std::int64_t type, std::int64_t id);
   VMALLOC_TRACE_PARSE_INTERNAL void drop_kept();
@@ -151,46 +110,6 @@ class KinetoScanner {
   bool found_events_ = false;
   bool have_ts_ = false;
   double last_ts_ = 0;
-};
-
-// vmalloc/traces/_normalize.py's normalized_batches, record for record.
-class Normalizer {
- public:
-  enum Reason { live_size_unknown = 0, zero_size_alloc, alloc_at_zero, free_of_zero, n_reasons };
-  void live_before(const TraceEvent* events, std::size_t n);  // ALLOC records, in order
-  void feed(const TraceEvent* records, std::size_t n);
-
-  Events pending;  // normalized events not yet taken
-  std::uint64_t skipped[n_reasons] = {};
-  std::vector<int> reason_order;  // reasons in order of first skip
-  std::uint64_t implicit_frees = 0, unmatched_frees = 0, free_size_mismatches = 0;
-  std::uint64_t synthetic_allocs = 0, frees_before_window = 0;
-  // Sums that Python keeps as unbounded ints: 128 bits here, read with wide().
-  unsigned __int128 unmatched_free_bytes = 0, synthetic_alloc_bytes = 0, alloc_bytes = 0;
-  unsigned __int128 live_bytes = 0, peak = 0, free_before_window_bytes = 0;
-  enum Wide { w_unmatched_free_bytes, w_synthetic_alloc_bytes, w_alloc_bytes, w_live_bytes, w_peak,
-              w_free_before_window_bytes };
-  void wide(int which, std::uint64_t& hi, std::uint64_t& lo) const {
-    unsigned __int128 v = which == w_unmatched_free_bytes    ? unmatched_free_bytes
-                          : which == w_synthetic_alloc_bytes ? synthetic_alloc_bytes
-                          : which == w_alloc_bytes           ? alloc_bytes
-                          : which == w_live_bytes            ? live_bytes
-                          : which == w_peak                  ? peak
-                                                             : free_before_window_bytes;
-    hi = static_cast<std::uint64_t>(v >> 64);
-    lo = static_cast<std::uint64_t>(v);
-  }
-  std::uint64_t allocs = 0, frees = 0, largest = 0;
-  std::size_t live_count() const { return live_.size(); }
-  std::size_t stream_count() const { return streams_.size(); }
-
- private:
-  void skip(Reason r);
-  std::unordered_map<std::uint64_t, std::uint64_t> live_;
-  std::unordered_set<std::uint64_t> synthetic_;  // synthetic ALLOCs not freed yet
-  std::unordered_set<std::uint64_t> streams_;
-  std::uint64_t last_stream_ = 0;  // streams_ holds it: most events are on the same stream
-  bool have_last_stream_ = false;
 };
 
 }  // namespace vmalloc::trace_parse
