@@ -117,14 +117,7 @@ print(json.dumps({"failed": None}))
 #: Pages whose blocks failed when this test came (issue 17), edited by other helpers at the
 #: time: expected to fail (not strictly) until their owners fix the block named here, which
 #: then makes the entry obsolete: delete it.
-KNOWN_FAILING = {
-    "docs/out_of_core_frameworks.rst": "block at line 12 needs a CUDA GPU (CudaDevice(0)): "
-                                       "mark it `.. doc-test: skip (needs a CUDA GPU)` (torch)",
-    "docs/runtime.rst": "block at line 11 uses `nbytes` before defining it (engine)",
-    "docs/schedulers.rst": "block at line 13 uses `seq`, defined nowhere on the page (planner)",
-    "docs/trace_formats.rst": "block at line 11 reads snapshot.pickle, which does not ship: "
-                              "use builtin_traces() (trace)",
-}
+KNOWN_FAILING = {}
 
 
 @pytest.mark.parametrize("page", RUN, ids=lambda p: str(p.relative_to(ROOT)))

@@ -117,7 +117,7 @@ def _sequence_file(tmp_path, **changes):
     (["train", "--steps", "1"], "vmalloc offload train: error: --steps must be at least 2 "
      "(one recorded iteration, one scheduled), got 1"),
     (["simulate", "--model", "{not_json}"], "vmalloc offload simulate: error: --model "
-     "{not_json}: not JSON: Expecting value: line 1 column 1 (char 0)"),
+     "{not_json}: not JSON: expecting value: line 1 column 1 (char 0)"),
     (["simulate", "--batch", "999999999999"], "vmalloc offload simulate: error: --batch "
      "999999999999: variable input0 would have 602111999999397888 bytes at batch 999999999999"),
 ])

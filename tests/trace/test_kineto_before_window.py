@@ -88,7 +88,7 @@ def test_table_json_and_warning(tmp_path, capsys):
     assert utilization.split()[-1] == "0.750"
     assert ("frees of memory the trace never allocated: 1 (1.00 GiB); 5.00 GiB live before the "
             "trace began") in out
-    assert "vmalloc: warning: t: frees of memory the trace never allocated: 1 (1.00 GiB)" in err
+    assert "vmalloc replay: warning: t: frees of memory the trace never allocated: 1 (1.00 GiB)" in err
     assert main(["replay", str(path), "--no-min-capacity", "--json",
                  "--before-window", "drop"]) == 0
     out, err = capsys.readouterr()

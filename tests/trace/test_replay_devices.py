@@ -140,7 +140,7 @@ def test_a_directory_of_ranks_is_one_table_and_one_plot(capsys, tmp_path):
     code, out, err = run(capsys, "replay", ranks, "--no-min-capacity", "-a", "caching,virtual",
                          "--plot", png)
     assert code == 0
-    summary = out[out.index("side by side"):].splitlines()
+    summary = out[out.index("side by side"):].split("\n\n")[0].splitlines()  # verdicts follow
     assert [line.split()[0] for line in summary[2:]] == ["rank0", "rank1", "rank2", "rank10"]
     assert [line.split()[1] for line in summary[2:]] == ["cuda:0", "cuda:1", "cuda:2", "cuda:2"]
     assert "caching reserved (util.)" in summary[1] and "virtual reserved (util.)" in summary[1]

@@ -136,12 +136,12 @@ _A100_40 = GPU(
 # P100 (Le et al.'s machine), calibrated ONLY on Le et al.'s in-core row (235 / 255 / 258
 # images/s for ResNet-50 at batch 64 / 128 / 190, TensorFlow FP32; numbers.md "Older GPUs"):
 # calibrate(lambda b: model_sequence("resnet50", b), {64: 235, 128: 255, 190: 258},
-# peak_flops=10.6e12, hbm_bandwidth=732e9) -> efficiency 0.765, overhead 37.97 us; the model
-# then gives 236.8 / 252.9 / 258.7 images/s (errors +0.76 %, -0.80 %, +0.27 %). No LMS figure
+# peak_flops=10.6e12, hbm_bandwidth=732e9) -> efficiency 0.757, overhead 37.84 us; the model
+# then gives 236.8 / 252.9 / 257.5 images/s (errors +0.78 %, -0.82 %, -0.19 %). No LMS figure
 # was used: simulated LMS is compared with Le et al.'s published LMS rows in
 # docs/benchmarks.md.
-P100_EFFICIENCY = 0.765
-P100_OVERHEAD = 37.97e-6
+P100_EFFICIENCY = 0.757
+P100_OVERHEAD = 37.84e-6
 #: Le et al.'s in-core row, ResNet-50 on P100 16 GB: batch -> images/s.
 LE_IN_CORE = {64: 235.0, 128: 255.0, 190: 258.0}
 
