@@ -13,13 +13,14 @@ trace (found by bisection, each probe a full replay on a fresh device).
 
 from vmalloc import allocator_kinds
 from vmalloc._replay import Replay
+from vmalloc.allocator_kinds import make_allocator
 from vmalloc.errors import InvalidArgumentError
 from vmalloc.replay.capacity import MAX_PROBES, _bisect, min_capacity
 from vmalloc.replay.progress import reading_progress
-from vmalloc.replay.report import before_window_note, format_summary, format_table
+from vmalloc.replay.report import before_window_note, format_summary, format_table  # noqa: F401
 from vmalloc.replay.result import ReplayResult, Timeline
-from vmalloc.replay.run import _add_trace_facts, make_allocator, replay_once
-from vmalloc.replay.source import CACHE_EVENTS, TraceSource, _source, _trace_name
+from vmalloc.replay.run import _add_trace_facts, replay_once
+from vmalloc.replay.source import CACHE_EVENTS, TraceSource, _source, _trace_name  # noqa: F401
 from vmalloc.sizes import parse_size
 
 __all__ = [

@@ -5,30 +5,12 @@ import sys
 import time
 
 from vmalloc import allocator_kinds
+from vmalloc.allocator_kinds import accounting_device, make_allocator
 from vmalloc._replay import Replay
 from vmalloc.replay.progress import _Progress
 from vmalloc.replay.result import ReplayResult, Timeline
 from vmalloc.replay.source import _source
 from vmalloc.sizes import parse_optional_size, parse_size
-
-
-def make_allocator(kind, device, chunk_size=None, max_split_size=None, policy=None,
-                   steal_before_create=None, remap_slack=None):
-    """Builds the allocator ``kind`` on ``device``.
-
-    ``kind`` is the name of one of :data:`vmalloc.allocator_kinds.KINDS`: ``"caching"``
-    (:class:`vmalloc.CachingAllocator`, which takes ``max_split_size`` and ``policy``),
-    ``"expandable-segments"`` (the same with ``expandable_segments=True``, PyTorch's
-    ``expandable_segments:True``), ``"virtual"`` (:class:`vmalloc.VirtualAllocator`, which
-    takes ``chunk_size`` and ``steal_before_create``), ``"virtual-packed"`` (the same with
-    ``placement="packed"``, which also takes ``remap_slack``); or a callable
-    ``kind(device) -> Allocator`` for anything else. Options that do not apply to the kind are
-    ignored, so that one set of options serves a comparison.
-    """
-    if callable(kind):
-        return kind(device)
-    return allocator_kinds.make(kind, device, **_options(
-        kind, chunk_size, max_split_size, policy, steal_before_create, remap_slack))
 
 
 def _options(kind, chunk_size, max_split_size, policy, steal_before_create=None,
@@ -42,21 +24,10 @@ def _options(kind, chunk_size, max_split_size, policy, steal_before_create=None,
         steal_before_create=steal_before_create, remap_slack=remap_slack)
 
 
-def _make_device(capacity, granularity):
-    import vmalloc
-
-    options = {"backed": False}
-    if capacity is not None:
-        options["capacity"] = capacity
-    if granularity is not None:
-        options["granularity"] = granularity
-    return vmalloc.HostDevice(**options)
-
-
 def _run(source, kind, capacity, granularity, options, timeline_points, progress_label=None):
     """One full replay on a fresh device. Returns (replay, allocator, device, (seconds in
     all, seconds in the engine)): reading the trace is the difference."""
-    device = _make_device(capacity, granularity)
+    device = accounting_device(capacity, granularity)
     allocator = make_allocator(kind, device, **options)
     engine = Replay(allocator, timeline_points=timeline_points, stop_on_out_of_memory=True)
     bar = None
