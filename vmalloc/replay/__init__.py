@@ -17,7 +17,8 @@ from vmalloc.allocator_kinds import make_allocator
 from vmalloc.errors import InvalidArgumentError
 from vmalloc.replay.capacity import MAX_PROBES, _bisect, min_capacity
 from vmalloc.replay.progress import reading_progress
-from vmalloc.replay.report import before_window_note, format_summary, format_table  # noqa: F401
+from vmalloc.replay.report import (  # noqa: F401
+    before_window_note, double_free_note, format_summary, format_table)
 from vmalloc.replay.result import ReplayResult, Timeline
 from vmalloc.replay.run import _add_trace_facts, replay_once
 from vmalloc.replay.source import CACHE_EVENTS, TraceSource, _source, _trace_name  # noqa: F401

@@ -122,6 +122,14 @@ def before_window_note(r):
     return text + "; dropped (--before-window live replays that memory from the start)"
 
 
+def double_free_note(r):
+    """One line on the trace's double frees (frees of memory it freed already), or None."""
+    if not r.double_frees:
+        return None
+    return (f"double frees: {r.double_frees:,} (frees of memory the trace had freed already "
+            "and not allocated again); dropped")
+
+
 def _recorded_column(r, labels):
     """The cells of the "pytorch (recorded)" column for rows ``labels``, or None when the
     trace recorded no counters."""

@@ -89,6 +89,7 @@ class ReplayResult:
     before_window: Optional[str] = None
     unmatched_frees: Optional[int] = None
     unmatched_free_bytes: Optional[int] = None
+    double_frees: Optional[int] = None
     live_before_window_bytes: Optional[int] = None
     recorded_peak_allocated_bytes: Optional[int] = None
     recorded_peak_reserved_bytes: Optional[int] = None
