@@ -20,7 +20,8 @@ from typing import Callable, Mapping
 from vmalloc.errors import InvalidArgumentError
 from vmalloc.sizes import parse_size
 
-__all__ = ["AllocatorKind", "KINDS", "NAMES", "get", "make"]
+__all__ = ["AllocatorKind", "KINDS", "NAMES", "accounting_device", "get", "make",
+           "make_allocator"]
 
 
 #: The comparison options, each with how its value is parsed: (value, name) -> value. The
@@ -127,3 +128,37 @@ def get(name):
 def make(name, device, **options):
     """A new allocator of kind ``name`` on ``device`` (see :meth:`AllocatorKind.make`)."""
     return get(name).make(device, **options)
+
+
+def make_allocator(kind, device, **options):
+    """The package's one allocator factory (replay, stress, bench and the simulator build
+    through it): the allocator ``kind`` on ``device``.
+
+    ``kind`` is the name of one of :data:`KINDS`: ``"caching"``
+    (:class:`vmalloc.CachingAllocator`, which takes ``max_split_size`` and ``policy``),
+    ``"expandable-segments"`` (the same with ``expandable_segments=True``, PyTorch's
+    ``expandable_segments:True``), ``"virtual"`` (:class:`vmalloc.VirtualAllocator`, which
+    takes ``chunk_size`` and ``steal_before_create``), ``"virtual-packed"`` (the same with
+    ``placement="packed"``, which also takes ``remap_slack``); or a callable
+    ``kind(device) -> Allocator`` for anything else. ``options`` are comparison options
+    (:meth:`AllocatorKind.applicable`): those that do not apply to the kind, and those that
+    are None, are ignored, so that one set of options serves a comparison.
+    """
+    if callable(kind):
+        return kind(device)
+    return make(kind, device, **get(kind).applicable(**options))
+
+
+def accounting_device(capacity=None, granularity=None):
+    """The package's one accounting-only device (replay, bench and the simulator run on it):
+    a fresh :class:`vmalloc.HostDevice` with ``backed=False``, which keeps the books of
+    capacity, mappings and driver calls but holds no memory. ``capacity`` and ``granularity``
+    (bytes or size strings) default to the HostDevice's own (unlimited; 2 MiB) when None."""
+    import vmalloc
+
+    options = {"backed": False}
+    if capacity is not None:
+        options["capacity"] = capacity
+    if granularity is not None:
+        options["granularity"] = granularity
+    return vmalloc.HostDevice(**options)

@@ -22,6 +22,10 @@ import random
 import sys
 import timeit
 
+# The package's one allocator and accounting-device factories (also bench's public names).
+from vmalloc.allocator_kinds import accounting_device as make_device
+from vmalloc.allocator_kinds import make_allocator
+
 KiB = 1 << 10
 MiB = 1 << 20
 
@@ -34,21 +38,6 @@ def available_allocators(names=DEFAULT_ALLOCATORS):
     from vmalloc import allocator_kinds
 
     return [name for name in names if allocator_kinds.get(name).available]
-
-
-def make_allocator(name, device, **options):
-    """A new allocator of kind ``name`` (one of :data:`vmalloc.allocator_kinds.NAMES`) on
-    ``device``."""
-    from vmalloc import allocator_kinds
-
-    return allocator_kinds.make(name, device, **options)
-
-
-def make_device(capacity=None):
-    """The benchmark's device: an unbacked HostDevice (books only, no memory)."""
-    import vmalloc
-
-    return vmalloc.HostDevice(capacity=capacity, backed=False)
 
 
 # --- cache hits -----------------------------------------------------------------------------

@@ -4,6 +4,7 @@ line shares (vmalloc.sizes)."""
 import argparse
 import importlib.util
 import pathlib
+import re
 
 import pytest
 from hypothesis import given
@@ -58,6 +59,32 @@ def test_make_builds_the_kind(name):
         assert a.expandable_segments is (name == "expandable-segments")
     assert bench.make_allocator(name, dev).name == a.name
     assert replay.make_allocator(name, dev).name == a.name
+
+
+def test_one_allocator_factory_and_one_accounting_device_factory():
+    # replay, bench and the simulator build through allocator_kinds' two factories.
+    assert replay.make_allocator is allocator_kinds.make_allocator
+    assert bench.make_allocator is allocator_kinds.make_allocator
+    assert bench.make_device is allocator_kinds.accounting_device
+    dev = allocator_kinds.accounting_device("64MiB", "4MiB")
+    assert (type(dev), dev.backed, dev.capacity, dev.granularity) == (
+        vmalloc.HostDevice, False, 64 * MiB, 4 * MiB)
+    default = allocator_kinds.accounting_device()
+    assert not default.backed and default.granularity == 2 * MiB
+    # Comparison options that do not apply to the kind, or are None, are dropped; sizes parse.
+    a = allocator_kinds.make_allocator("virtual", dev, chunk_size="8MiB", max_split_size="1MiB",
+                                       policy=None)
+    assert (a.placement, a.chunk_size) == ("chunks", 8 * MiB)
+    built = []
+    assert allocator_kinds.make_allocator(lambda d: built.append(d) or "mine", dev) == "mine"
+    assert built == [dev]
+    # Nothing else in the package builds allocators by kind or accounting devices itself.
+    package = pathlib.Path(vmalloc.__file__).resolve().parent
+    sources = [p for p in package.rglob("*.py") if p.name != "allocator_kinds.py"]
+    built_here = re.compile(r'allocator_kinds\.make\(|(?<!")HostDevice\([^)]*backed\s*=\s*False')
+    offenders = [str(p.relative_to(package)) for p in sources
+                 if built_here.search(p.read_text())]
+    assert offenders == []
 
 
 def test_make_refuses_what_contradicts_the_kind():

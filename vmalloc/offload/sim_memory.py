@@ -13,7 +13,6 @@ import math
 from typing import Dict, List
 
 import vmalloc
-from vmalloc import allocator_kinds
 
 
 class _Engine:
@@ -67,12 +66,6 @@ class _Engine:
 
 class _OOM(Exception):
     pass
-
-
-def _make_allocator(kind, device, chunk_size, steal=True):
-    options = allocator_kinds.get(kind).applicable(chunk_size=chunk_size,
-                                                   steal_before_create=steal)
-    return allocator_kinds.make(kind, device, **options)
 
 
 class _Memory:

@@ -39,11 +39,10 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
-import vmalloc
 from vmalloc import allocator_kinds
 from vmalloc.errors import InvalidArgumentError
 from vmalloc.offload.gpus import get_gpu
-from vmalloc.offload.sim_memory import _OOM, _Engine, _make_allocator, _Memory
+from vmalloc.offload.sim_memory import _OOM, _Engine, _Memory
 from vmalloc.sizes import parse_size
 
 __all__ = ["simulate", "SimulationResult", "ALLOCATORS", "in_core_seconds", "function_seconds"]
@@ -226,8 +225,9 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
     if not isinstance(iterations, int) or iterations < 1:
         raise InvalidArgumentError(f"iterations must be a positive int, got {iterations!r}")
 
-    device = vmalloc.HostDevice(capacity=cap, backed=False, granularity="2MiB")
-    alloc = _make_allocator(allocator, device, chunk, steal_before_create)
+    device = allocator_kinds.accounting_device(cap, "2MiB")
+    alloc = allocator_kinds.make_allocator(allocator, device, chunk_size=chunk,
+                                           steal_before_create=steal_before_create)
     stable = allocator == "virtual" and hasattr(alloc, "unmap_backing")
     durations = function_seconds(seq, gpu)
     if release_completed is None:
