@@ -91,6 +91,7 @@ void StreamSet::destroy_stream(stream_t stream, const char* entry) {
   worker = stream_locked(stream, entry);
   destroyed_.insert(stream);  // may throw bad_alloc: nothing changed yet
   streams_.erase(stream);
+  busy_.erase(stream);
   any_destroyed_.store(true, std::memory_order_release);
   // Its queued work still runs (as in CUDA) and the call does not wait for it.
   if (!worker->done(worker->last_enqueued())) retired_.push_back(worker);
@@ -125,16 +126,24 @@ StreamSet::Ticket StreamSet::enqueue_locked(stream_t stream,
                                             StreamWorker::Task task,
                                             std::vector<StreamDependency> deps) {
   if (stream == 0) {
-    for (const auto& [id, other] : streams_)
-      if (id != 0 && !other->non_blocking()) {
-        const std::uint64_t seq = other->last_enqueued();
-        if (!other->done(seq)) deps.push_back({other, seq});
+    // Only streams with work not yet seen complete can order stream 0; those found complete
+    // leave the busy set here.
+    for (auto it = busy_.begin(); it != busy_.end();) {
+      const auto& other = streams_.at(*it);
+      const std::uint64_t seq = other->last_enqueued();
+      if (other->done(seq)) {
+        it = busy_.erase(it);
+        continue;
       }
+      if (*it != 0 && !other->non_blocking()) deps.push_back({other, seq});
+      ++it;
+    }
   } else if (!worker->non_blocking()) {
     const auto& legacy = streams_.at(0);
     const std::uint64_t seq = legacy->last_enqueued();
     if (!legacy->done(seq)) deps.push_back({legacy, seq});
   }
+  busy_.insert(stream);  // before the work is queued: a bad_alloc leaves nothing untracked
   const std::uint64_t seq = worker->enqueue(std::move(task), std::move(deps));
   return Ticket{worker, seq};
 }
@@ -205,10 +214,20 @@ void StreamSet::synchronize_all() {
   std::vector<Ticket> tickets;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (const auto& [id, worker] : streams_) tickets.push_back({worker, worker->last_enqueued()});
+    for (stream_t id : busy_) {
+      const auto& worker = streams_.at(id);
+      tickets.push_back({worker, worker->last_enqueued()});
+    }
     for (const auto& worker : retired_) tickets.push_back({worker, worker->last_enqueued()});
   }
   for (const auto& t : tickets) t.wait();
+  // Streams whose last item is done leave the busy set (work queued meanwhile keeps them).
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto it = busy_.begin(); it != busy_.end();) {
+    const auto& worker = streams_.at(*it);
+    if (worker->done(worker->last_enqueued())) it = busy_.erase(it);
+    else ++it;
+  }
 }
 
 std::uint64_t StreamSet::hold(stream_t stream, const char* entry) {

@@ -189,6 +189,35 @@ def test_default_stream_waits_for_other_streams(dev):
     assert dev.query_event(e) is True
 
 
+@pytest.mark.parametrize("idle_by", ["synchronize", "default-stream work"])
+def test_default_stream_waits_for_a_stream_busy_again_after_it_went_idle(dev, idle_by):
+    # The device visits only streams with work not yet seen complete (so that 100 k streams
+    # replay in linear time); a stream that went idle, was dropped from that set, and got work
+    # again must order the default stream and synchronize() again.
+    streams = [dev.create_stream() for _ in range(50)]
+    for s in streams:
+        dev.record_event(dev.create_event(), s)
+    if idle_by == "synchronize":
+        dev.synchronize()
+    else:
+        e0 = dev.create_event()
+        dev.record_event(e0, 0)      # waits for every busy stream, then prunes them
+        dev.synchronize_event(e0)
+        dev.record_event(dev.create_event(), 0)
+    s = streams[17]
+    hold = dev.hold_stream(s)
+    e = dev.create_event()
+    dev.record_event(e, 0)
+    assert dev.query_event(e) is False
+    waiter = threading.Thread(target=dev.synchronize)
+    waiter.start()
+    waiter.join(0.5)                 # a correct synchronize() is still waiting for the hold
+    assert waiter.is_alive()
+    dev.release_hold(hold)
+    waiter.join()
+    assert dev.query_event(e) is True
+
+
 def test_other_streams_wait_for_default_stream(dev):
     s = dev.create_stream()
     e = dev.create_event()

@@ -93,6 +93,10 @@ class StreamSet {
   const std::string device_name_;
   mutable std::mutex mutex_;  // the maps and the fault; never held while waiting for work
   std::unordered_map<stream_t, std::shared_ptr<StreamWorker>> streams_;
+  // Live streams that may have work not yet seen complete: what synchronize_all and the
+  // default stream's implicit ordering visit, so that their cost follows the streams in use,
+  // not every stream ever created (a replay of 100 k streams was quadratic).
+  std::unordered_set<stream_t> busy_;
   std::unordered_map<event_t, Event> events_;
   std::vector<std::shared_ptr<StreamWorker>> retired_;  // destroyed with work still queued
   std::unordered_set<stream_t> destroyed_;               // every stream destroyed so far
