@@ -108,6 +108,9 @@ def add_parser(sub):
                    help="the allocator of the emulated device (default virtual)")
     r.add_argument("--fraction", type=float, default=0.5,
                    help="device capacity as a fraction of the in-core peak (default 0.5)")
+    r.add_argument("--recompute", action="store_true",
+                   help="recompute forward activations instead of swapping them where that "
+                        "moves fewer bytes (Capuchin-style; results stay bit-identical)")
     r.add_argument("--json", action="store_true",
                    help="print one JSON object (sizes in bytes)")
 
@@ -376,7 +379,7 @@ def _train(args):
                               f"scheduled), got {args.steps}")
     if not 0 < args.fraction <= 1:
         raise OffloadCliError(f"--fraction must be in (0, 1], got {args.fraction}")
-    r = compare(args.network, args.steps, args.fraction, args.allocator)
+    r = compare(args.network, args.steps, args.fraction, args.allocator, args.recompute)
     if args.json:
         print(json.dumps(r))
         return 0 if r["identical"] else 1
@@ -395,6 +398,9 @@ def _train(args):
     print(f"  iterations {st['iterations']} (recorded {st['recorded_iterations']}, scheduled "
           f"{st['scheduled_iterations']}): scheduled swap-outs {st['scheduled_swap_outs']}, "
           f"swap-ins {st['scheduled_swap_ins']}, on demand {st['on_demand_swap_ins']}")
+    if st["recomputed_functions"]:
+        print(f"  recomputed functions {st['recomputed_functions']} (buffers dropped "
+              f"{st['recompute_drops']})")
     print("Simulate a GPU: vmalloc offload table --model resnet50 --gpu v100-16gb")
     return 0 if r["identical"] else 1
 
