@@ -61,6 +61,22 @@ def test_table_json(capsys):
     assert rows[1440]["in_core"] is None and rows[1440]["window+virtual"] > 0
 
 
+def test_table_choices_columns(capsys):
+    """--choices adds recompute and recompute+fp16 columns: the planner keeps the fastest of
+    its variants (no recompute among them), so the recompute column is never slower."""
+    code, out, err = run(capsys, "table", "--model", "unet", "--gpu", "a100-40gb",
+                         "--batches", "56", "--choices", "--json")
+    assert code == 0, err
+    row = {r["batch"]: r for r in json.loads(out)["rows"]}[56]
+    assert row["in_core"] is None
+    assert row["window+virtual+recompute"] >= row["window+virtual"] > 0
+    assert row["window+virtual+recompute+fp16"] > 0
+    assert row["window+virtual+recompute:relative"] > 0
+    code, out, err = run(capsys, "table", "--model", "unet", "--gpu", "a100-40gb",
+                         "--batches", "56", "--choices")
+    assert "win+rc" in out and "rc+fp16" in out and "lossy, opt-in" in out
+
+
 def test_lists(capsys):
     assert run(capsys, "gpus")[1].count("\n") >= 3
     assert "resnet50" in run(capsys, "models")[1]

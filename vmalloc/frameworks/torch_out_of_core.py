@@ -35,6 +35,7 @@ import warnings
 import weakref
 
 from vmalloc.errors import InvalidArgumentError
+from vmalloc.frameworks.torch_recompute import AtenRerun, rerunnable
 from vmalloc.frameworks.torch_swap import CudaSwap, PoisonSwap
 from vmalloc.frameworks.torch_state import Readers, Storages, make_mode, predicted_bytes
 from vmalloc.offload import aten_ops
@@ -81,7 +82,7 @@ class OutOfCore:
 
     def __init__(self, budget=None, scheduler="window", window=None, backend=None,
                  min_bytes=64 << 10, device=None, allocator=None, persistent="auto",
-                 strict=False):
+                 strict=False, recompute=False):
         torch = _torch()
         if backend is None:
             backend = "cuda" if torch.cuda.is_available() else "poison"
@@ -111,6 +112,8 @@ class OutOfCore:
             scheduler = "none"    # no budget and no device: nothing needs to leave
         options = dict(budget=budget, scheduler=scheduler, window=window, swap=self.backend,
                        host_compute=False, stream=stream, persistent=persistent)
+        if recompute:
+            options["recompute"] = True    # (the driver's reruns: torch_recompute)
         self._runtime_says = _runtime_takes_strict()
         if self._runtime_says:
             options["strict"] = strict
@@ -311,9 +314,10 @@ class OutOfCore:
                 reads.append(buf)
             if written and buf not in writes:
                 writes.append(buf)
-        return self._run(func, reads, writes, lambda: func(*args, **kwargs), fresh or 0)
+        return self._run(func, reads, writes, lambda: func(*args, **kwargs), fresh or 0,
+                         rerun_args=(args, kwargs))
 
-    def _run(self, func, reads, writes, call, fresh, outs=None):
+    def _run(self, func, reads, writes, call, fresh, outs=None, rerun_args=None):
         """One op as one function of the runtime."""
         rt = self.runtime
         name = str(func)
@@ -331,6 +335,12 @@ class OutOfCore:
             new = self._new_buffers(outs, set(map(id, reads)) | set(map(id, writes)))
             if new:
                 rt.add_writes(new)
+                if rerun_args is not None and rt.recompute and not writes and len(new) == 1 \
+                        and len(outs) == 1 and len(func._schema.returns) == 1 \
+                        and rerunnable(func, self.device_type):
+                    rerun = AtenRerun.make(func, *rerun_args, outs[0], self._tracked)
+                    if rerun is not None:
+                        rt.set_rerun(rerun)
         except BaseException:
             if entered and rt.in_function:
                 rt.exit_function(failed=True)
@@ -383,7 +393,7 @@ class OutOfCore:
 
 def out_of_core(budget=None, scheduler="window", window=None, backend=None,
                 min_bytes=64 << 10, device=None, allocator=None,
-                persistent="auto", strict=False) -> OutOfCore:
+                persistent="auto", strict=False, recompute=False) -> OutOfCore:
     """Turns on out-of-core training for the steps run inside ``with``::
 
         with vmalloc.torch.out_of_core(budget="12GiB") as ooc:
@@ -393,4 +403,4 @@ def out_of_core(budget=None, scheduler="window", window=None, backend=None,
     """
     return OutOfCore(budget=budget, scheduler=scheduler, window=window, backend=backend,
                      min_bytes=min_bytes, device=device, allocator=allocator,
-                     persistent=persistent, strict=strict)
+                     persistent=persistent, strict=strict, recompute=recompute)

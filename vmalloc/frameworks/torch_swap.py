@@ -114,6 +114,19 @@ class PoisonSwap:
         self._host.pop(key, None)
         self._state.pop(key, None)
 
+    def release(self, key, stream=0):
+        """A storage the runtime will recompute: poisoned, no copy (its bytes are not kept)."""
+        from torch.utils._python_dispatch import _disable_current_modes
+        with _disable_current_modes():
+            view = self._bytes(key)
+            if view is None:
+                raise InvalidArgumentError(f"release: the storage at {key:#x} was freed")
+            view.fill_(255)
+        self._stats["bytes_released"] = self._stats.get("bytes_released", 0) + view.numel()
+
+    def rematerialize(self, key, stream=0):
+        """Nothing to map on the CPU: the recompute overwrites the poison."""
+
     def stats(self):
         out = dict(self._stats)
         out["host_bytes"] = sum(t.numel() for t in self._host.values())
@@ -197,6 +210,15 @@ class CudaSwap:
     def discard(self, key):
         # A held storage cannot have been freed; nothing else reaches here.
         self._held.pop(key, None)
+
+    def release(self, key, stream=0):
+        """A storage the runtime will recompute: its chunks unmapped after the work queued on
+        ``stream``, no copy (the address stays reserved: PyTorch's pointer stays valid;
+        touching it faults until rematerialize)."""
+        self.allocator.unmap_backing(key, stream=stream)
+
+    def rematerialize(self, key, stream=0):
+        self.allocator.map_backing(key, stream=stream)
 
     def relocates(self, ptr):
         return not self.allocator.owns_chunks(ptr)

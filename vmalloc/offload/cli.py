@@ -94,6 +94,9 @@ def add_parser(sub):
                    help="batch sizes (default for resnet50 the paper's: "
                         f"{','.join(map(str, TABLE_BATCHES))}; for other models 1/2, 2, 4, "
                         "8 and 10 times the in-core limit)")
+    t.add_argument("--choices", action="store_true",
+                   help="add columns for window+virtual with recompute considered and with fp16 "
+                        "compression on top (slower: the planner tries each choice)")
     t.add_argument("--json", action="store_true", help="print one JSON object (sizes in bytes)")
 
     r = osub.add_parser("train", help="train a NumPy network out of core on the emulated "
@@ -108,6 +111,9 @@ def add_parser(sub):
                    help="the allocator of the emulated device (default virtual)")
     r.add_argument("--fraction", type=float, default=0.5,
                    help="device capacity as a fraction of the in-core peak (default 0.5)")
+    r.add_argument("--recompute", action="store_true",
+                   help="recompute forward activations instead of swapping them where that "
+                        "moves fewer bytes (Capuchin-style; results stay bit-identical)")
     r.add_argument("--json", action="store_true",
                    help="print one JSON object (sizes in bytes)")
 
@@ -240,9 +246,16 @@ def check_chunk_size(chunk_size, granularity=None, flag="--chunk-size"):
         raise OffloadCliError(f"{flag} {problem}")
 
 
-def table(model="resnet50", gpu="v100-16gb", batches=None, progress=False):
+#: The columns ``table(choices=True)`` adds: window+virtual with recompute considered
+#: (lossless), and with fp16 compression on top (lossy, opt-in).
+CHOICE_COLUMNS = (("window+virtual+recompute", dict(recompute=True)),
+                  ("window+virtual+recompute+fp16", dict(recompute=True, compress="fp16")))
+
+
+def table(model="resnet50", gpu="v100-16gb", batches=None, progress=False, choices=False):
     """The paper's Table 1 for ``model`` on ``gpu``, simulated: a dict with ``rows`` (one per
-    batch: images/s or None for out of memory, per configuration) and the in-core limit."""
+    batch: images/s or None for out of memory, per configuration) and the in-core limit.
+    ``choices``: also the columns of :data:`CHOICE_COLUMNS` (recompute, compression)."""
     from vmalloc.offload.planner import in_core_reference, plan
     from vmalloc.offload.simulator import simulate
 
@@ -254,8 +267,10 @@ def table(model="resnet50", gpu="v100-16gb", batches=None, progress=False):
         batches = [max(1, limit // 2), 2 * limit, 4 * limit, 8 * limit, 10 * limit]
     batches = sorted(set(batches or TABLE_BATCHES) | ({limit} if limit else set()))
     paper = model == "resnet50" and gpu.name.startswith("v100-16gb")
-    configs = [("window", "caching"), ("window", "virtual"), ("lms", "virtual"),
-               ("vdnn", "virtual")]
+    configs = [("window", "caching", None, {}), ("window", "virtual", None, {}),
+               ("lms", "virtual", None, {}), ("vdnn", "virtual", None, {})]
+    if choices:
+        configs += [("window", "virtual", key, extra) for key, extra in CHOICE_COLUMNS]
     rows = []
     for k, b in enumerate(batches):
         if progress:
@@ -266,9 +281,9 @@ def table(model="resnet50", gpu="v100-16gb", batches=None, progress=False):
         row = {"batch": b,
                "in_core": None if inc.out_of_memory else inc.images_per_second}
         ref = (limit, limit_ips) if limit else None
-        for sch, alloc in configs:
-            p = plan(seq, gpu, sch, alloc, reference=ref)
-            key = f"{sch}+{alloc}"
+        for sch, alloc, key, extra in configs:
+            p = plan(seq, gpu, sch, alloc, reference=ref, **extra)
+            key = key or f"{sch}+{alloc}"
             if p.feasible:
                 r = p.result
                 row[key] = r.images_per_second
@@ -313,7 +328,8 @@ def _table(args):
             raise OffloadCliError("--batches must be positive integers")
     gpu = _gpu(args.gpu)
     _sequence(args.model, None)   # a clear error before any work
-    t = table(args.model, gpu, batches, progress=sys.stderr.isatty() and not args.json)
+    t = table(args.model, gpu, batches, progress=sys.stderr.isatty() and not args.json,
+              choices=args.choices)
     if args.json:
         json.dump(t, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -324,6 +340,8 @@ def _table(args):
           f"link {t['link']}")
     head = (f"{'batch':>6} {'in-core':>8} {'win+cach':>8} {'win+virt':>8} {'rel':>5} "
             f"{'lms+virt':>8} {'vdnn+vir':>8}")
+    if args.choices:
+        head += f" {'win+rc':>8} {'rel':>5} {'rc+fp16':>8} {'rel':>5}"
     if paper:
         head += f" {'paper-ic':>8} {'paper-va':>8}"
     head += "   win+caching reserved / budget"
@@ -334,6 +352,9 @@ def _table(args):
                 f"{_fmt(r['window+virtual'])} "
                 f"{'' if rel is None else format(rel, '.0%'):>5} "
                 f"{_fmt(r['lms+virtual'])} {_fmt(r['vdnn+virtual'])}")
+        for key, _ in (CHOICE_COLUMNS if args.choices else ()):
+            rel = r.get(key + ":relative")
+            line += f" {_fmt(r[key])} {'' if rel is None else format(rel, '.0%'):>5}"
         if paper:
             line += "".join(f" {'-':>8}" if r.get(k) is None else f" {r[k]:>8}"
                             for k in ("paper_in_core", "paper_schedule_va"))
@@ -343,6 +364,9 @@ def _table(args):
         print(line)
     print("rel: window+virtual against the in-core speed at the in-core limit (the paper's "
           "55 % at 1440 is 321/581)")
+    if args.choices:
+        print("win+rc: window+virtual with recompute considered (lossless); rc+fp16: and float32 "
+              "activations swapped as fp16 (lossy, opt-in)")
     return 0
 
 
@@ -376,7 +400,7 @@ def _train(args):
                               f"scheduled), got {args.steps}")
     if not 0 < args.fraction <= 1:
         raise OffloadCliError(f"--fraction must be in (0, 1], got {args.fraction}")
-    r = compare(args.network, args.steps, args.fraction, args.allocator)
+    r = compare(args.network, args.steps, args.fraction, args.allocator, args.recompute)
     if args.json:
         print(json.dumps(r))
         return 0 if r["identical"] else 1
@@ -395,6 +419,9 @@ def _train(args):
     print(f"  iterations {st['iterations']} (recorded {st['recorded_iterations']}, scheduled "
           f"{st['scheduled_iterations']}): scheduled swap-outs {st['scheduled_swap_outs']}, "
           f"swap-ins {st['scheduled_swap_ins']}, on demand {st['on_demand_swap_ins']}")
+    if st["recomputed_functions"]:
+        print(f"  recomputed functions {st['recomputed_functions']} (buffers dropped "
+              f"{st['recompute_drops']})")
     print("Simulate a GPU: vmalloc offload table --model resnet50 --gpu v100-16gb")
     return 0 if r["identical"] else 1
 

@@ -122,14 +122,20 @@ class MLP(_Net):
         for l, w in enumerate(self.weights_):
             a, b = sizes[l], sizes[l + 1]
             z = self.tensor((batch, b))
-            with rt.function(reads=[h, w], writes=[z], name=f"linear{l}") as p:
+
+            # Forward functions are given to rt.call: the runtime may re-run them to
+            # recompute what they wrote (Runtime(recompute=True)); loop values are bound now.
+            def linear(p, h=h, w=w, z=z, a=a, b=b):
                 np.matmul(view(p, h, (batch, a)), view(p, w, (a, b)), out=view(p, z, (batch, b)))
+            rt.call(linear, reads=[h, w], writes=[z], name=f"linear{l}")
             if l == len(self.weights_) - 1:
                 logits = z
                 break
             r = self.tensor((batch, b))
-            with rt.function(reads=[z], writes=[r], name=f"relu{l}") as p:
+
+            def relu(p, z=z, r=r, b=b):
                 np.maximum(view(p, z, (batch, b)), 0, out=view(p, r, (batch, b)))
+            rt.call(relu, reads=[z], writes=[r], name=f"relu{l}")
             pre.append(z)
             acts.append(r)
             h = r
@@ -206,16 +212,23 @@ class CNN(_Net):
             # Each tensor is allocated just before the function that writes it, as a
             # framework's op allocates its output.
             col = self.tensor((batch * s * s, 9 * c))
-            with rt.function(reads=[h], writes=[col], name=f"im2col{l}") as p:
+
+            # rt.call: recomputable (see MLP.step); loop values bound now.
+            def im2col(p, h=h, col=col, c=c):
                 view(p, col, (batch * s * s, 9 * c))[...] = self._im2col(
                     view(p, h, (batch, s, s, c)))
+            rt.call(im2col, reads=[h], writes=[col], name=f"im2col{l}")
             z = self.tensor((batch, s, s, f))
-            with rt.function(reads=[col, w], writes=[z], name=f"conv{l}") as p:
+
+            def conv(p, col=col, w=w, z=z, c=c, f=f):
                 np.matmul(view(p, col, (batch * s * s, 9 * c)), view(p, w, (9 * c, f)),
                           out=view(p, z, (batch * s * s, f)))
+            rt.call(conv, reads=[col, w], writes=[z], name=f"conv{l}")
             r = self.tensor((batch, s, s, f))
-            with rt.function(reads=[z], writes=[r], name=f"relu{l}") as p:
+
+            def relu(p, z=z, r=r, f=f):
                 np.maximum(view(p, z, (batch, s, s, f)), 0, out=view(p, r, (batch, s, s, f)))
+            rt.call(relu, reads=[z], writes=[r], name=f"relu{l}")
             if h is not x:
                 self.free(h)
             cols.append(col)
@@ -321,10 +334,11 @@ CONFIGS = {
 }
 
 
-def compare(network="mlp", steps=4, fraction=0.5, allocator="virtual") -> dict:
+def compare(network="mlp", steps=4, fraction=0.5, allocator="virtual", recompute=False) -> dict:
     """Trains ``network`` in core, then out of core on a device of ``fraction`` of the in-core
-    peak (rounded down to 2 MiB); returns both runs' losses, whether losses and weights are
-    bit-identical, the runtime's statistics and the seconds each run took."""
+    peak (rounded down to 2 MiB), recomputing instead of swapping where that moves fewer bytes
+    if ``recompute``; returns both runs' losses, whether losses and weights are bit-identical,
+    the runtime's statistics and the seconds each run took."""
     import time
 
     import vmalloc
@@ -336,11 +350,11 @@ def compare(network="mlp", steps=4, fraction=0.5, allocator="virtual") -> dict:
     kind = allocator_kinds.get(allocator)  # InvalidArgumentError naming the kinds
     config = CONFIGS[network]
 
-    def make(capacity, scheduler):
+    def make(capacity, scheduler, recompute=False):
         dev = vmalloc.HostDevice(capacity=capacity, granularity="2MiB")
         # 2 MiB chunks for the virtual kinds: the small networks' tensors are a few MiB.
         alloc = kind.make(dev, **kind.applicable(chunk_size="2MiB"))
-        return Runtime(alloc, scheduler=scheduler)
+        return Runtime(alloc, scheduler=scheduler, recompute=recompute)
 
     rt_in = make("4GiB", "none")
     t0 = time.perf_counter()
@@ -348,7 +362,7 @@ def compare(network="mlp", steps=4, fraction=0.5, allocator="virtual") -> dict:
     in_seconds = time.perf_counter() - t0
     peak = rt_in.stats()["peak_device_bytes"]
     capacity = int(peak * fraction) // (2 << 20) * (2 << 20)
-    rt_out = make(capacity, "window")
+    rt_out = make(capacity, "window", recompute)
     t0 = time.perf_counter()
     out = train(rt_out, steps=steps, **config)
     out_seconds = time.perf_counter() - t0

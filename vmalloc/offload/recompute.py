@@ -97,9 +97,10 @@ def _chains(seq):
     return out
 
 
-def recompute_candidates(seq, gpu, ratio=1.0, compute_bound=False) -> List[int]:
+def recompute_candidates(seq, gpu, ratio=1.0, compute_bound=False, eligible=None) -> List[int]:
     """The transient variables worth recomputing on ``gpu`` (see the module docstring), largest
-    saving first."""
+    saving first. ``eligible(v, chain)``: whether the caller can recompute variable ``v`` by
+    re-running ``chain`` (function indices) at all (a runtime: every function has a rerun)."""
     from vmalloc.offload.gpus import get_gpu
 
     gpu = get_gpu(gpu)
@@ -124,7 +125,7 @@ def recompute_candidates(seq, gpu, ratio=1.0, compute_bound=False) -> List[int]:
     seq._recompute_chains = (len(seq.functions), len(seq.variables), chains)
     for v, (chain, a, b) in chains.items():
         nbytes = var[v].nbytes
-        if nbytes <= 0:
+        if nbytes <= 0 or (eligible is not None and not eligible(v, chain)):
             continue
         ok = True
         cost = 0.0
@@ -176,6 +177,7 @@ def with_recompute(seq, variables) -> Recompute:
         chains = cached[2]
     else:
         chains = _chains(seq)
+    recomputed = sorted(set(variables))
     todo = {}
     for v in variables:
         if v not in chains:
@@ -221,7 +223,7 @@ def with_recompute(seq, variables) -> Recompute:
         else:
             index.append(add_fn(f.inputs, f.outputs, f, f.name))
     out._uses = None
-    return Recompute(out, origin, clones, sorted(set(variables)), index)
+    return Recompute(out, origin, clones, recomputed, index)
 
 
 def compressible(seq) -> List[int]:

@@ -29,7 +29,7 @@ class Buffer:
         self.persistent = persistent
         self.var = None      # variable id in the recorded sequence
         self.alive = True
-        self.where = "resident"   # resident, swapping_out, on_host, swapping_in
+        self.where = "resident"   # resident, swapping_out, on_host, swapping_in, dropped
         self.key = ptr            # the swap manager's key while out (ptr, or a host handle)
         self.movable = movable
 
@@ -40,7 +40,8 @@ class Buffer:
 
     @property
     def state(self) -> str:
-        """``"resident"``, ``"swapping_out"``, ``"on_host"``, ``"swapping_in"`` or ``"freed"``."""
+        """``"resident"``, ``"swapping_out"``, ``"on_host"``, ``"swapping_in"``, ``"dropped"``
+        (released, to be recomputed) or ``"freed"``."""
         return self.where if self.alive else "freed"
 
     def __repr__(self):
@@ -131,6 +132,10 @@ class Residency:
             raise InvalidArgumentError(f"forget: {buf!r} is not a buffer of this runtime")
         if not buf.alive:
             return
+        if self._dropped or self._dependents:
+            if buf.where == "dropped" and not freed:
+                self._recompute_now(buf)    # the owner keeps the memory, with its bytes
+            self._before_free(buf)
         if buf.where == "swapping_in":
             self._wait(buf)
         if buf.where in ("on_host", "swapping_out"):
@@ -161,6 +166,8 @@ class Residency:
         if self._in_function and self._current is not None and buf in self._current:
             raise InvalidArgumentError(
                 f"buffer {buf.id} is in use by the running function; free it after the function")
+        if self._dropped or self._dependents:
+            self._before_free(buf)
         self.swap.deallocate(buf.key if buf.where in ("on_host", "swapping_out") else buf.ptr,
                              stream=self.stream)
         self._drop(buf)
@@ -192,6 +199,7 @@ class Residency:
             raise InvalidArgumentError("restore_all: a function is running")
         self._pending_out.clear()
         self._pending_in.clear()
+        self._recompute_all()
         for buf in list(self._buffers.values()):
             if buf.where == "swapping_out":
                 self._wait(buf)
@@ -357,6 +365,8 @@ class Residency:
     def _make_resident(self, bufs):
         """Every buffer of the running function resident, its swap-in waited."""
         for buf in bufs:
+            if buf.where == "dropped":
+                self._recompute_now(buf)
             if buf.where != "resident":
                 if buf.where != "swapping_in":
                     self._swap_in(buf, on_demand=True)

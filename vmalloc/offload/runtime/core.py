@@ -13,6 +13,7 @@ from vmalloc.errors import InvalidArgumentError
 from vmalloc.offload.runtime.buffers import Buffer, FunctionPointers, Residency
 from vmalloc.offload.runtime.divergence import Divergence
 from vmalloc.offload.runtime.following import Following
+from vmalloc.offload.runtime.recompute import Recomputation, init_recompute_state
 from vmalloc.offload.runtime.recording import BudgetWarning, Recording
 from vmalloc.sizes import parse_size
 
@@ -25,10 +26,11 @@ STATS_KEYS = (
     "reschedules", "schedule_failures", "functions", "failed_functions",
     "on_demand_swap_ins", "evictions", "scheduled_swap_outs", "scheduled_swap_ins",
     "prefetch_failures", "over_budget", "device_bytes", "peak_device_bytes", "budget_bytes",
-    "pinned_bytes", "schedule_error", "swapped_out_bytes", "swapped_in_bytes", "swap")
+    "pinned_bytes", "schedule_error", "swapped_out_bytes", "swapped_in_bytes", "swap",
+    "recomputed_functions", "recompute_drops")
 
 
-class Runtime(Residency, Recording, Following, Divergence):
+class Runtime(Residency, Recording, Following, Divergence, Recomputation):
     """Runs a training program out of core under a device-memory budget.
 
     Args:
@@ -52,11 +54,17 @@ class Runtime(Residency, Recording, Following, Divergence):
             ``"auto"`` (default: resident if that schedule fits the budget, else swap).
         strict: raise :class:`~vmalloc.offload.ScheduleError` when no schedule fits the
             budget, instead of warning once and running on demand.
+        recompute: consider recomputing (Capuchin-style) instead of swapping: a buffer written
+            by functions that have a ``rerun`` (see :meth:`call`) may be dropped after its last
+            use before a long gap and recomputed before its next use, when that plan fits the
+            budget and moves fewer bytes (docs/runtime.rst, "Recompute").
+        gpu: the GPU model (:mod:`vmalloc.offload.gpus`) whose link and compute times decide
+            what is worth recomputing (default ``"v100-16gb"``, the paper's).
     """
 
     def __init__(self, allocator, budget=None, scheduler="window", window=None, stream=0,
                  host_compute=None, host_capacity=None, swap=None, persistent="auto",
-                 strict=False):
+                 strict=False, recompute=False, gpu=None):
         from vmalloc._host_device import HostDevice
 
         if allocator is None and swap is None:
@@ -97,6 +105,7 @@ class Runtime(Residency, Recording, Following, Divergence):
         self._scheduler_spec = scheduler
         self.persistent = persistent
         self.strict = bool(strict)
+        init_recompute_state(self, recompute, gpu)
         self.stream = stream
         self.host_compute = (isinstance(self.device, HostDevice)
                              if host_compute is None else bool(host_compute))
@@ -132,7 +141,7 @@ class Runtime(Residency, Recording, Following, Divergence):
                            diverged_iterations=0, schedule_failures=0,
                            scheduled_swap_outs=0, scheduled_swap_ins=0,
                            prefetch_failures=0, functions=0, failed_functions=0,
-                           over_budget=0)
+                           over_budget=0, recomputed_functions=0, recompute_drops=0)
         self.last_schedule_error = None
         self._schedule_error = None        # the message said when no schedule fits
         self._schedule_need = None         # (function name, bytes) it names
@@ -165,6 +174,7 @@ class Runtime(Residency, Recording, Following, Divergence):
             raise InvalidArgumentError("iterations do not nest")
         self._in_iteration = True
         self._iter_allocs = []
+        self._iter_reruns = {}
         self._step = 0
         # Record when there is no record (first iteration, or the program changed); with a
         # record but no schedule (the budget cannot be scheduled) run on demand.
@@ -214,17 +224,40 @@ class Runtime(Residency, Recording, Following, Divergence):
 
     # --- functions ---------------------------------------------------------------------------
     def function(self, reads: Iterable[Buffer] = (), writes: Iterable[Buffer] = (),
-                 name: Optional[str] = None):
+                 name: Optional[str] = None, rerun=None):
         """A context manager around one function: on entry every buffer in ``reads`` and
-        ``writes`` is resident and its swap-in complete; it yields their pointers."""
-        return _Function(self, tuple(reads), tuple(writes), name)
+        ``writes`` is resident and its swap-in complete; it yields their pointers. ``rerun``:
+        see :meth:`enter_function`."""
+        return _Function(self, tuple(reads), tuple(writes), name, rerun)
+
+    def call(self, fn, reads: Iterable[Buffer] = (), writes: Iterable[Buffer] = (),
+             name: Optional[str] = None):
+        """Runs ``fn(ptrs)`` as one function (``ptrs`` as :meth:`function` yields them) and
+        returns its result. ``fn`` is also the function's ``rerun``: with ``recompute=True``
+        the runtime may call it again to recompute what it wrote, so it must read only
+        ``reads``, write only ``writes``, and give the same bytes for the same inputs."""
+        ptrs = self.enter_function(reads, writes, name, rerun=fn)
+        try:
+            out = fn(ptrs)
+        except BaseException:
+            self.exit_function(failed=True)
+            raise
+        self.exit_function()
+        return out
 
     def enter_function(self, reads: Iterable[Buffer] = (), writes: Iterable[Buffer] = (),
-                       name: Optional[str] = None) -> FunctionPointers:
+                       name: Optional[str] = None, rerun=None) -> FunctionPointers:
         """A function starts: its buffers resident, their swap-ins complete; returns their
         pointers. If it raises (out of memory, a refused swap-in) no function is running and
-        the runtime is usable: the rest of the iteration runs on demand."""
+        the runtime is usable: the rest of the iteration runs on demand.
+
+        ``rerun``: a callable that does the function again, ``rerun(ptrs)`` with pointers as
+        this returns them, reading only ``reads`` and writing only ``writes``, the same bytes
+        for the same inputs. With it, the runtime may recompute what the function wrote
+        instead of swapping it (``recompute=True``)."""
         reads, writes = tuple(reads), tuple(writes)
+        if rerun is not None and not callable(rerun):
+            raise InvalidArgumentError(f"rerun must be callable, got {rerun!r}")
         if self._in_function:
             raise InvalidArgumentError("functions do not nest")
         if self.at_boundary is not None:
@@ -255,6 +288,9 @@ class Runtime(Residency, Recording, Following, Divergence):
             self._current = bufs
             self._in_function = True
             self._fn_reads, self._fn_writes, self._fn_name = reads, list(writes), name
+            self._fn_rerun = rerun
+            if self._dependents:
+                self._before_writes(writes)
             self._make_resident(bufs)
         except BaseException as error:
             self._in_function = False
@@ -275,6 +311,16 @@ class Runtime(Residency, Recording, Following, Divergence):
             self._fn_writes.append(b)
             self._current.append(b)
 
+    def set_rerun(self, rerun) -> None:
+        """The running function's ``rerun`` (see :meth:`enter_function`), for a driver that
+        learns how to redo the function only once it ran (its outputs, added by
+        :meth:`add_writes`, are then part of the rerun's pointers)."""
+        if not self._in_function:
+            raise InvalidArgumentError("set_rerun is for the running function")
+        if rerun is not None and not callable(rerun):
+            raise InvalidArgumentError(f"rerun must be callable, got {rerun!r}")
+        self._fn_rerun = rerun
+
     def exit_function(self, failed: bool = False) -> None:
         """The running function ends (``failed``: by an exception; then the rest of the
         iteration runs on demand and the next is recorded anew). Whatever happens here, no
@@ -292,6 +338,11 @@ class Runtime(Residency, Recording, Following, Divergence):
             if failed:
                 self._abandon(f"function {self._step} ({name}) raised")
                 return
+            if self._fn_rerun is not None:
+                self._iter_reruns[self._step] = (self._fn_rerun, tuple(self._fn_reads),
+                                                 tuple(self._fn_writes))
+                if self._recording:
+                    self._record_rerunnable.add(len(self._record_funcs))
             if self._recording:
                 self._record_funcs.append((name, self._fn_reads, tuple(self._fn_writes)))
             if self._following:
@@ -367,16 +418,17 @@ class _Iteration:
 
 
 class _Function:
-    __slots__ = ("rt", "reads", "writes", "name")
+    __slots__ = ("rt", "reads", "writes", "name", "rerun")
 
-    def __init__(self, rt, reads, writes, name):
+    def __init__(self, rt, reads, writes, name, rerun):
         self.rt = rt
         self.reads = reads
         self.writes = writes
         self.name = name
+        self.rerun = rerun
 
     def __enter__(self):
-        return self.rt.enter_function(self.reads, self.writes, self.name)
+        return self.rt.enter_function(self.reads, self.writes, self.name, self.rerun)
 
     def __exit__(self, exc_type, exc, tb):
         self.rt.exit_function(failed=exc_type is not None)

@@ -1,7 +1,10 @@
 """Following a schedule: at each function boundary of a scheduled iteration the runtime issues
 the step's waits and swap-ins before the function and its swap-outs after it, keyed by the
 variables of the record (each buffer of this iteration is matched to the recorded variable it
-stands for)."""
+stands for). Under recompute the schedule's steps are those of the expanded sequence: before
+the program's function i come the inserted functions that recompute dropped buffers
+(``recompute``), and a variable the expanded sequence frees while the program still holds it is
+dropped."""
 
 from __future__ import annotations
 
@@ -32,18 +35,43 @@ class Following:
         if self._following:
             self._pre_actions(self._step)
 
+    def _buf_of(self, v):
+        """This iteration's buffer for variable v of the steps (a clone: its original's)."""
+        rc = self._schedule.recompute
+        if rc is not None:
+            v = rc.clones.get(v, v)
+        return self._buf_of_var.get(v)
+
     def _pre_actions(self, i):
+        """Program function i's actions before it runs: under recompute, the inserted
+        functions before it (each with its own actions), then its own."""
+        rc = self._schedule.recompute
+        if rc is not None:
+            if i >= len(rc.index):
+                return
+            for k in range(rc.index[i - 1] + 1 if i else 0, rc.index[i]):
+                self._step_pre(k)
+                self._run_inserted(k)
+                self._step_post(k)
+            i = rc.index[i]
+        self._step_pre(i)
+
+    def _post_actions(self, i):
+        rc = self._schedule.recompute
+        self._step_post(rc.index[i] if rc is not None else i)
+
+    def _step_pre(self, i):
         """Step i's actions before the function: wait for swap-outs, issue swap-ins."""
         if i >= len(self._schedule.steps):
             return
         step = self._schedule.steps[i]
         if not (step.wait_swap_out or step.swap_in):
             return
-        vmap = self._buf_of_var
-        waits = [vmap[v] for v in step.wait_swap_out if v in vmap]
+        vmap = self._buf_of
+        waits = [b for b in map(vmap, step.wait_swap_out) if b is not None]
         self._complete_swap_outs(waits)
         for v in step.swap_in:
-            buf = vmap.get(v)
+            buf = vmap(v)
             if buf is None or not buf.alive:
                 continue
             if self._swap_in(buf, on_demand=False):
@@ -53,14 +81,18 @@ class Following:
             else:
                 self._stats["prefetch_failures"] += 1
 
-    def _post_actions(self, i):
-        """Step i's swap-outs, after the function."""
+    def _step_post(self, i):
+        """Step i's swap-outs, after the function; under recompute, its drops."""
         step = self._schedule.steps[i]
+        if self._rc_chain and step.free:
+            for v in step.free:
+                if v in self._rc_chain:
+                    self._drop_for_recompute(v)
         if not step.swap_out:
             return
-        vmap = self._buf_of_var
+        vmap = self._buf_of
         for v in step.swap_out:
-            buf = vmap.get(v)
+            buf = vmap(v)
             if buf is None or not buf.alive or not buf.movable:
                 continue
             if buf.where == "swapping_in":
@@ -78,7 +110,8 @@ class Following:
             if buf.alive:
                 self._wait(buf)
         self._pending_in.clear()
-        if self._step != len(self._schedule.steps):
+        n = len(self._sequence.functions)
+        if self._step != n:
             # Shorter than the record: the program changed.
             self._diverge(f"the iteration ended after {self._step} functions; the record "
-                          f"has {len(self._schedule.steps)}")
+                          f"has {n}")

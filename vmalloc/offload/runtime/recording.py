@@ -35,6 +35,7 @@ class Recording:
 
     def _start_record(self):
         self._record_funcs = []
+        self._record_rerunnable = set()
         self._record_allocs = []
         self._record_persistent = [b for b in self._buffers.values() if b.persistent]
 
@@ -69,7 +70,9 @@ class Recording:
             buf.var = var_of.get(id(buf))
         self._transient_vars = [var_of[id(b)] for b in self._record_allocs]
         modes = ["resident", "swap"] if self.persistent == "auto" else [self.persistent]
+        self._rc_chain = {}
         for mode in modes:
+            scheduler = None
             try:
                 scheduler = self._make_scheduler(mode)
                 self._schedule = scheduler.schedule(seq)
@@ -78,11 +81,18 @@ class Recording:
                 budgetless = self._scheduler_spec in ("lms", "vdnn")
                 self._schedule.check(seq, None if budgetless else self.budget)
                 self.last_schedule_error = None
-                break
             except ScheduleError as error:
                 # This budget cannot be scheduled (so): run on demand, which evicts as needed.
                 self._schedule = None
                 self.last_schedule_error = error
+            if self.recompute and scheduler is not None and self.budget is not None:
+                # Recompute instead of swapping where it moves fewer bytes (or fits at all).
+                rc, _ = self._recompute_plan(seq, scheduler, self._schedule)
+                if rc is not None:
+                    self._schedule = rc
+                    self.last_schedule_error = None
+            if self._schedule is not None:
+                break
         if had_schedule:
             self._stats["reschedules"] += 1
         if self._schedule is None:

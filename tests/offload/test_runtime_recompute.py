@@ -1,0 +1,245 @@
+"""Recompute executed by the Runtime (issue 16 item 2): a buffer the schedule recomputes is
+dropped (its chunks unmapped, no copy) and recomputed by re-running its function's ``rerun``;
+results stay bit-identical, fewer bytes move, and a program that departs from its record still
+reads the right bytes (the dropped buffer is recomputed before its inputs change or go).
+
+VMALLOC_CHECKED=1 (tests/conftest.py): any read of a dropped buffer's memory faults."""
+
+import ctypes
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import vmalloc
+from vmalloc.errors import InvalidArgumentError
+from vmalloc.offload import Runtime
+from vmalloc.offload.numpy_training import compare, train
+from vmalloc.offload.runtime.recompute import RecomputeError
+
+MiB = 1 << 20
+N = 4 * MiB // 4          # float32 elements of one buffer: two 2 MiB chunks
+FILLERS = 20              # functions between the producer and the last read (> MIN_GAP)
+
+
+def runtime(capacity="64MiB", budget=None, recompute=True, **kw):
+    dev = vmalloc.HostDevice(capacity=capacity, granularity="2MiB")
+    alloc = vmalloc.VirtualAllocator(dev, chunk_size="2MiB")
+    return Runtime(alloc, budget=budget, recompute=recompute, **kw)
+
+
+def arr(p, buf):
+    raw = (ctypes.c_char * buf.nbytes).from_address(p[buf])
+    return np.ndarray((buf.nbytes // 4,), np.float32, buffer=raw)
+
+
+class Program:
+    """x (loaded) -> a = 2x + 1 (recomputable) -> FILLERS functions over fresh buffers -> the
+    result a + x. ``diverge``: what the program does differently after a is dropped, in one
+    iteration: "mutate" (writes x in place), "free" (frees x before the read, reading a
+    alone), "exit" (leaves the iteration with a still dropped)."""
+
+    def __init__(self, rt, fillers=FILLERS):
+        self.rt = rt
+        self.fillers = fillers
+        self.reruns = 0
+        self.break_rerun = False
+
+    def iteration(self, seed, diverge=None):
+        rt = self.rt
+        data = np.arange(N, dtype=np.float32) * np.float32(seed + 1)
+        x = rt.allocate(N * 4)
+
+        def load(p):
+            arr(p, x)[...] = data
+        rt.call(load, writes=[x], name="load")
+        a = rt.allocate(N * 4)
+
+        calls = []
+
+        def produce(p):
+            calls.append(1)
+            if self.break_rerun and len(calls) > 1:
+                raise ValueError("rerun broke")
+            self.reruns += 1
+            arr(p, a)[...] = arr(p, x) * np.float32(2) + np.float32(1)
+        rt.call(produce, reads=[x], writes=[a], name="produce")
+        expect_x = data.copy()
+        for j in range(self.fillers):
+            t = rt.allocate(N * 4)
+            with rt.function(writes=[t], name="fill") as p:
+                arr(p, t)[...] = j
+            with rt.function(reads=[t], name="use") as p:
+                assert arr(p, t)[7] == j
+            rt.deallocate(t)
+            if diverge == "mutate" and j == self.fillers - 2:
+                with rt.function(reads=[x], writes=[x], name="mutate") as p:
+                    arr(p, x)[...] += np.float32(5)
+                expect_x += np.float32(5)
+        expect_a = data * np.float32(2) + np.float32(1)
+        if diverge == "free":
+            rt.deallocate(x)
+            with rt.function(reads=[a], name="result") as p:
+                got = arr(p, a).copy()
+            rt.deallocate(a)
+            return got, expect_a
+        if diverge == "exit":
+            return a, x, expect_a, expect_x
+        out = np.empty(N, np.float32)
+        with rt.function(reads=[a, x], name="result") as p:
+            out[...] = arr(p, a) + arr(p, x)
+        rt.deallocate(a)
+        rt.deallocate(x)
+        return out, expect_a + expect_x
+
+
+def run_scheduled(rt, prog, iterations=3):
+    for i in range(iterations):
+        with rt.iteration():
+            got, want = prog.iteration(i)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_dropped_buffer_is_recomputed_and_nothing_moves():
+    # Budget 2.5 buffers: x, a and a filler do not fit. Swap-only moves a and x out and back;
+    # recompute drops a and re-runs produce: a never crosses the link.
+    rt = runtime(budget=10 * MiB)
+    prog = Program(rt)
+    run_scheduled(rt, prog, iterations=3)
+    assert rt.schedule.recompute is not None
+    assert rt.schedule.recomputed_functions() == 1
+    st_ = rt.stats()
+    assert st_["scheduled_iterations"] == 2
+    assert st_["recompute_drops"] == 2
+    assert st_["recomputed_functions"] == 2
+    assert prog.reruns == 3 + 2            # once per iteration, again in each scheduled one
+    # x still goes out once per scheduled iteration (the window's choice); a no longer does
+    assert st_["scheduled_swap_outs"] == 2
+    assert st_["peak_device_bytes"] <= 10 * MiB
+    base = runtime(budget=10 * MiB, recompute=False)
+    run_scheduled(base, Program(base), iterations=3)
+    assert base.stats()["scheduled_swap_outs"] == 4
+    assert base.stats()["swapped_out_bytes"] - st_["swapped_out_bytes"] == 2 * N * 4
+    assert base.stats()["recomputed_functions"] == 0
+
+
+def test_no_recompute_when_nothing_needs_to_move():
+    # A window (the budget) wider than the fillers: the plain plan moves nothing.
+    rt = runtime(capacity="256MiB", budget=None)
+    prog = Program(rt)
+    run_scheduled(rt, prog, iterations=2)
+    assert rt.schedule.recompute is None
+    assert rt.stats()["recompute_drops"] == 0
+
+
+def test_write_to_an_input_recomputes_first():
+    # Iteration 3 writes x while a is dropped: a must be recomputed from the old x first.
+    rt = runtime(budget=10 * MiB)
+    prog = Program(rt)
+    run_scheduled(rt, prog, iterations=2)
+    with rt.iteration():
+        got, want = prog.iteration(7, diverge="mutate")
+    np.testing.assert_array_equal(got, want)
+    assert rt.stats()["recomputed_functions"] == 2   # the on-demand recompute, before mutate
+    assert rt.stats()["diverged_iterations"] == 1
+
+
+def test_free_of_an_input_recomputes_first():
+    rt = runtime(budget=10 * MiB)
+    prog = Program(rt)
+    run_scheduled(rt, prog, iterations=2)
+    with rt.iteration():
+        got, want = prog.iteration(3, diverge="free")
+    np.testing.assert_array_equal(got, want)
+    assert rt.stats()["recomputed_functions"] == 2
+
+
+def test_leaving_the_region_recomputes_what_is_dropped():
+    rt = runtime(budget=10 * MiB)
+    prog = Program(rt)
+    run_scheduled(rt, prog, iterations=2)
+    with pytest.raises(KeyError):
+        with rt:
+            rt.begin_iteration()
+            a, x, want_a, _ = prog.iteration(4, diverge="exit")
+            assert a.state == "dropped"
+            raise KeyError("the program fails with a dropped")
+    assert a.state == "resident"
+    with rt.function(reads=[a], name="after") as p:
+        np.testing.assert_array_equal(arr(p, a), want_a)
+
+
+def test_a_failing_rerun_is_named():
+    rt = runtime(budget=10 * MiB)
+    prog = Program(rt)
+    run_scheduled(rt, prog, iterations=2)
+    prog.break_rerun = True     # produce works once per iteration, then raises
+    with pytest.raises(RecomputeError, match=r"buffer \d+ could not be recomputed.*rerun broke"):
+        with rt.iteration():
+            prog.iteration(5)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(InvalidArgumentError, match="recompute must be True or False"):
+        runtime(recompute="yes")
+    rt = runtime()
+    buf = rt.allocate(MiB)
+    with pytest.raises(InvalidArgumentError, match="rerun must be callable"):
+        rt.enter_function(reads=[buf], rerun=42)
+    assert not rt.in_function
+    with pytest.raises(InvalidArgumentError, match="set_rerun is for the running function"):
+        rt.set_rerun(lambda p: None)
+
+
+@pytest.mark.parametrize("network,gpu,args", [
+    # 4 MiB activations: moving one over the V100's NVLink (2 x 45.9 GB/s) takes longer than
+    # re-running its function (135 us of launch overhead in the model)
+    ("mlp", "v100-16gb", dict(batch=8192, sizes=(128,) * 10 + (10,))),
+    # 2 MiB ones pay on the A100's PCIe 4 link (25 GB/s), not on the V100's
+    ("cnn", "a100-40gb", dict(batch=128, channels=(3,) + (16,) * 6, size=16)),
+])
+def test_numpy_training_bit_identical_with_recompute(network, gpu, args):
+    def make(capacity, recompute):
+        dev = vmalloc.HostDevice(capacity=capacity, granularity="2MiB")
+        alloc = vmalloc.VirtualAllocator(dev, chunk_size="2MiB", small_threshold=64 << 10)
+        return Runtime(alloc, scheduler="window" if capacity != "1GiB" else "none",
+                       recompute=recompute, gpu=gpu)
+
+    ref = train(make("1GiB", False), network, steps=3, **args)
+    peak = ref.stats["peak_device_bytes"]
+    capacity = peak // 2 // (2 << 20) * (2 << 20)
+    swap = make(capacity, False)
+    swap_only = train(swap, network, steps=3, **args)
+    rt = make(capacity, True)
+    out = train(rt, network, steps=3, **args)
+    assert out.losses == ref.losses and out.weights == ref.weights
+    assert swap_only.losses == ref.losses and swap_only.weights == ref.weights
+    st_ = out.stats
+    assert rt.schedule.recompute is not None
+    assert st_["recomputed_functions"] == (st_["scheduled_iterations"]
+                                           * rt.schedule.recomputed_functions()) > 0
+    assert st_["swapped_out_bytes"] < swap_only.stats["swapped_out_bytes"]
+    assert st_["diverged_iterations"] == 0
+
+
+def test_compare_reports_recompute():
+    r = compare("mlp", steps=3, fraction=0.5, recompute=True)
+    assert r["identical"]
+
+
+@settings(max_examples=15, deadline=None)
+@given(fillers=st.integers(0, 24), budget_mib=st.sampled_from([8, 10, 12, 16, 64]),
+       diverge=st.sampled_from([None, "mutate", "free"]), at=st.integers(1, 3))
+def test_recompute_never_loses_data(fillers, budget_mib, diverge, at):
+    """Random gaps, budgets and departures from the record: the result is always the NumPy
+    reference, and never more bytes move than without recompute."""
+    def run(recompute):
+        rt = runtime(capacity="32MiB", budget=budget_mib * MiB, recompute=recompute)
+        prog = Program(rt, fillers=fillers)
+        for i in range(4):
+            with rt.iteration():
+                got, want = prog.iteration(i, diverge=diverge if i == at else None)
+            np.testing.assert_array_equal(got, want)
+        return rt.stats()
+    with_rc, without = run(True), run(False)
+    assert with_rc["swapped_out_bytes"] <= without["swapped_out_bytes"]

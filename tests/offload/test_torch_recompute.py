@@ -1,0 +1,92 @@
+"""Recompute executed by the PyTorch driver (issue 16 item 2), on CPU with the poison backend: a
+dropped storage is poisoned (0xFF: NaN) and the driver re-dispatches the aten op that wrote it
+before its next use, so bit-identical losses and weights prove that every recompute happened
+and reproduced the same bits."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import vmalloc.torch as vtorch  # noqa: E402
+from vmalloc.frameworks.torch_recompute import rerunnable  # noqa: E402
+
+CH = 16
+
+
+def make(seed=0, depth=6):
+    """A BatchNorm + ReLU network: conv (no bias) -> BN -> ReLU blocks, pooled, linear."""
+    torch.manual_seed(seed)
+    layers = [torch.nn.Conv2d(3, CH, 3, padding=1, bias=False), torch.nn.BatchNorm2d(CH),
+              torch.nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [torch.nn.Conv2d(CH, CH, 3, padding=1, bias=False), torch.nn.BatchNorm2d(CH),
+                   torch.nn.ReLU()]
+    layers += [torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(CH, 10)]
+    model = torch.nn.Sequential(*layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return model, opt
+
+
+def data(steps, batch=64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 3, 32, 32, generator=g),
+             torch.randint(0, 10, (batch,), generator=g)) for _ in range(steps)]
+
+
+def train(model, opt, batches):
+    losses = []
+    for x, y in batches:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def run(budget=None, steps=4, **kw):
+    model, opt = make()
+    batches = data(steps)
+    if budget is None:
+        return train(model, opt, batches), [p.detach().clone() for p in model.parameters()], None
+    with vtorch.out_of_core(budget=budget, backend="poison", device="cpu", **kw) as ooc:
+        losses = train(model, opt, batches)
+    return losses, [p.detach().clone() for p in model.parameters()], ooc
+
+
+def test_bn_relu_network_bit_identical_with_recompute():
+    ref_losses, ref_w, _ = run()
+    losses, w, ooc = run(budget="24MiB", recompute=True)
+    assert losses == ref_losses
+    assert all(torch.equal(a, b) for a, b in zip(w, ref_w))
+    stats = ooc.stats()
+    rt = ooc.runtime
+    assert rt.schedule is not None and rt.schedule.recompute is not None
+    per_iteration = rt.schedule.recomputed_functions()
+    assert per_iteration > 0
+    # recorded twice (the optimizer's first step invalidates the first record), then followed
+    assert stats["recorded_iterations"] == 2 and stats["scheduled_iterations"] == 2
+    assert stats["recomputed_functions"] == 2 * per_iteration
+    assert stats["recompute_drops"] == 2 * per_iteration
+    _, _, swap_only = run(budget="24MiB")
+    assert stats["swapped_out_bytes"] < swap_only.stats()["swapped_out_bytes"]
+
+
+def test_which_ops_are_rerunnable():
+    aten = torch.ops.aten
+    assert rerunnable(aten.relu.default, "cpu")
+    assert rerunnable(aten.convolution.default, "cpu")
+    assert not rerunnable(aten.relu_.default, "cpu")              # mutates its input
+    assert not rerunnable(aten.native_dropout.default, "cpu")     # seeded random
+    assert not rerunnable(aten.add.out, "cpu")                    # out= argument
+    assert rerunnable(aten.index_add.default, "cpu")
+    assert not rerunnable(aten.index_add.default, "cuda")         # atomics: not bitwise
+    assert rerunnable(aten.relu.default, "cuda")
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        assert not rerunnable(aten.convolution.default, "cuda")   # cuDNN may pick atomics
+        torch.use_deterministic_algorithms(True)
+        assert rerunnable(aten.convolution.default, "cuda")
+    finally:
+        torch.use_deterministic_algorithms(was)

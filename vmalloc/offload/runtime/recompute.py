@@ -1,0 +1,227 @@
+"""Recompute, executed: a buffer the schedule recomputes is *dropped* (its device memory
+released, no copy) after its last use before a long gap, and *recomputed* before its next use by
+re-running the functions that wrote it (its chain: the producer, then any in-place writers) on
+their inputs, which the schedule keeps (the planner's rule: inputs are read again at or after the
+recompute point, and nothing writes them in between).
+
+A driver makes a function recomputable by giving ``rerun`` to :meth:`Runtime.enter_function`
+(or by :meth:`Runtime.call`, or :meth:`Runtime.set_rerun` once the function ran): a callable
+that, given the function's pointers, reads its inputs and writes its output again, exactly as
+the function did (it may have a ``ready()`` method saying whether it still can). Only functions with one output and a
+``rerun`` in every iteration form chains; only pointer-stable buffers (the virtual allocator's
+chunk path: ``unmap_backing`` / ``map_backing``, or a swap backend with ``release`` /
+``rematerialize``) are dropped.
+
+No data lost: the runtime keeps the invariant that a dropped buffer's chain inputs are alive and
+unchanged. Before a function writes one, before one is freed or forgotten, and whenever the
+dropped buffer itself is needed (a function lists it, ``restore_all``, a ``forget`` that keeps
+the memory), the buffer is recomputed first, on demand. So a program that departs from its
+record (a divergence, a failure) still reads the right bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Set, Tuple
+
+from vmalloc.errors import OutOfMemoryError, VmallocError
+
+
+class RecomputeError(VmallocError, RuntimeError):
+    """A dropped buffer could not be recomputed (its ``rerun`` raised): the message names the
+    buffer and the function."""
+
+
+class Recomputation:
+    """The recompute half of :class:`~vmalloc.offload.Runtime` (a mixin)."""
+
+    # --- planning (after a recorded iteration) ------------------------------------------------
+    def _recompute_plan(self, seq, scheduler, base):
+        """A schedule of ``seq`` with recompute, kept when it fits the budget and moves fewer
+        bytes than ``base`` (None when ``base`` failed). Returns (schedule or None, error)."""
+        from vmalloc.offload.recompute import recompute_candidates, with_recompute
+        from vmalloc.offload.schedule import ScheduleError
+
+        fns = seq.functions
+        rerunnable = self._record_rerunnable
+        droppable = self._droppable_nbytes
+
+        def eligible(v, chain):
+            return (droppable(seq.variables[v].nbytes)
+                    and all(c in rerunnable and set(fns[c].outputs) == {v} for c in chain))
+
+        variables = recompute_candidates(seq, self._recompute_gpu, eligible=eligible)
+        if not variables:
+            return None, None
+        rc = with_recompute(seq, variables)
+        try:
+            sched = scheduler.schedule(rc.sequence)
+            sched.recompute = rc
+            sched.check(seq, self.budget)
+        except ScheduleError as error:
+            return None, error
+        if base is not None and sched.swap_out_bytes(seq) >= base.swap_out_bytes(seq):
+            return None, None
+        chains = seq._recompute_chains[2]
+        self._rc_chain = {v: chains[v][0] for v in variables}
+        return sched, None
+
+    def _droppable_nbytes(self, nbytes) -> bool:
+        """Whether a buffer of nbytes can be dropped and mapped again at its own address."""
+        if hasattr(self.swap, "release") and hasattr(self.swap, "rematerialize"):
+            return True
+        a = self.allocator
+        return (a is not None and hasattr(a, "unmap_backing")
+                and getattr(a, "placement", "chunks") == "chunks"
+                and nbytes > getattr(a, "small_threshold", 0))
+
+    # --- following: inserted functions and drops ------------------------------------------------
+    def _run_inserted(self, k):
+        """Expanded function k re-runs a recorded one: the producer's step recomputes a dropped
+        buffer (its whole chain); the in-place members' steps were done with it."""
+        rc = self._schedule.recompute
+        v = rc.clones[rc.sequence.functions[k].outputs[0]]
+        if rc.origin[k] != self._rc_chain[v][0]:
+            return
+        buf = self._buf_of_var.get(v)
+        if buf is not None and buf.alive and buf.where == "dropped":
+            self._recompute_now(buf)
+
+    def _drop_for_recompute(self, v):
+        """The schedule frees recorded variable v, which it recomputes later: release its
+        buffer's device memory with no copy, remembering this iteration's chain to re-run. A
+        buffer that cannot be recomputed safely (a function of its chain ran without
+        ``rerun``, an input is gone) stays resident."""
+        buf = self._buf_of_var.get(v)
+        if buf is None or not buf.alive or buf.where != "resident" or not buf.movable:
+            return
+        chain = []
+        for c in self._rc_chain[v]:
+            entry = self._iter_reruns.get(c)
+            if entry is None or any(not b.alive for b in entry[1] + entry[2]):
+                return
+            ready = getattr(entry[0], "ready", None)   # a driver's rerun may say it cannot
+            if ready is not None and not ready():
+                return
+            chain.append(entry)
+        inputs = {b.id for _, reads, _ in chain for b in reads if b is not buf}
+        if any(self._buffers[i].where == "dropped" for i in inputs):
+            return
+        if not self._release(buf):
+            return
+        self._dropped[buf.id] = (chain, inputs)
+        for i in inputs:
+            self._dependents.setdefault(i, set()).add(buf.id)
+        self._stats["recompute_drops"] += 1
+
+    # --- the two memory primitives --------------------------------------------------------------
+    def _release(self, buf) -> bool:
+        """Device memory of a resident buffer released, no copy: resident -> dropped."""
+        if hasattr(self.swap, "release"):
+            self.swap.release(buf.key, stream=self.stream)
+        else:
+            a = self.allocator
+            try:
+                if not a.owns_chunks(buf.ptr):
+                    return False
+            except VmallocError:
+                return False
+            a.unmap_backing(buf.ptr, stream=self.stream)
+        self._untrack(buf)
+        buf.where = "dropped"
+        return True
+
+    def _rematerialize(self, buf):
+        """Device memory for a dropped buffer at its own address (contents undefined), making
+        room under the budget as a swap-in does."""
+        def attempt():
+            if hasattr(self.swap, "rematerialize"):
+                self.swap.rematerialize(buf.key, stream=self.stream)
+            else:
+                self.allocator.map_backing(buf.ptr, stream=self.stream)
+
+        while True:
+            if self._fits(buf.footprint):
+                try:
+                    attempt()
+                    break
+                except OutOfMemoryError:
+                    if not self._evict_one():
+                        raise
+                    continue
+            if not self._evict_one():
+                self._over_budget(buf.footprint)
+                attempt()
+                break
+        buf.where = "resident"
+        self._track(buf)
+
+    # --- on demand: the invariant -------------------------------------------------------------
+    def _recompute_now(self, buf):
+        """Recomputes a dropped buffer: its memory back, its chain re-run on its inputs (made
+        resident on demand), none of which changed since the chain ran."""
+        chain, inputs = self._dropped.pop(buf.id)
+        for i in inputs:
+            deps = self._dependents.get(i)
+            if deps is not None:
+                deps.discard(buf.id)
+                if not deps:
+                    del self._dependents[i]
+        saved = self._current
+        try:
+            self._rematerialize(buf)
+            for rerun, reads, writes in chain:
+                bufs = list(dict.fromkeys(reads + writes))
+                self._current = (saved or []) + bufs    # none of them is evicted meanwhile
+                self._make_resident(bufs)
+                from vmalloc.offload.runtime.buffers import FunctionPointers
+                try:
+                    rerun(FunctionPointers(reads + writes))
+                except BaseException as error:
+                    raise RecomputeError(f"buffer {buf.id} could not be recomputed: its "
+                                         f"function's rerun raised {error!r}") from error
+                self._stats["recomputed_functions"] += 1
+        finally:
+            self._current = saved
+
+    def _before_writes(self, bufs):
+        """A function is about to write ``bufs``: buffers recomputed from any of them are
+        recomputed first (their inputs must not change while they are dropped)."""
+        for b in bufs:
+            for d in sorted(self._dependents.get(b.id, ())):
+                dep = self._buffers.get(d)
+                if dep is not None and dep.where == "dropped":
+                    self._recompute_now(dep)
+
+    def _before_free(self, buf):
+        """``buf`` leaves the runtime: what is recomputed from it is recomputed now; a dropped
+        buffer itself has nothing left to keep."""
+        self._before_writes([buf])
+        if buf.where == "dropped":
+            chain, inputs = self._dropped.pop(buf.id)
+            for i in inputs:
+                deps = self._dependents.get(i)
+                if deps is not None:
+                    deps.discard(buf.id)
+                    if not deps:
+                        del self._dependents[i]
+
+    def _recompute_all(self):
+        for bid in list(self._dropped):
+            buf = self._buffers.get(bid)
+            if buf is not None and buf.where == "dropped":
+                self._recompute_now(buf)
+
+
+def init_recompute_state(rt, recompute, gpu):
+    """The recompute fields of a new runtime (called by its constructor)."""
+    from vmalloc.errors import InvalidArgumentError
+
+    if recompute not in (False, True):
+        raise InvalidArgumentError(f"recompute must be True or False, got {recompute!r}")
+    rt.recompute = bool(recompute)
+    rt._recompute_gpu = gpu or "v100-16gb"
+    rt._record_rerunnable: Set[int] = set()    # recorded function indices with a rerun
+    rt._iter_reruns: Dict[int, Tuple] = {}     # this iteration: step -> (rerun, reads, writes)
+    rt._rc_chain: Dict[int, List[int]] = {}    # recomputed variable -> its chain (steps)
+    rt._dropped: Dict[int, Tuple] = {}         # buffer id -> (chain entries, input ids)
+    rt._dependents: Dict[int, Set[int]] = {}   # input buffer id -> dropped buffer ids
