@@ -53,8 +53,9 @@ def test_out_of_core_has_the_shape_of_every_driver():
     defaults, and every buffer back on the device when it ends."""
     from vmalloc.offload.runtime import STATS_KEYS
 
+    assert make_runtime(recompute=True).recompute is True
     with make_runtime(budget="4MiB") as rt:
-        assert (rt.persistent, rt.window) == ("auto", None)
+        assert (rt.persistent, rt.window, rt.recompute) == ("auto", None, False)
         bufs = [rt.allocate(2 * MiB) for _ in range(3)]
         assert bufs[0].state == "on_host"
     assert [b.state for b in bufs] == ["resident"] * 3

@@ -187,11 +187,13 @@ class use_vmalloc:
 # ``function`` blocks; these helpers make the runtime and CuPy arrays over its buffers.
 
 def out_of_core(allocator=None, budget=None, scheduler="window", window=None, device=None,
-                stream=None, persistent="auto", strict=False):
+                stream=None, persistent="auto", strict=False, recompute=False):
     """A :class:`vmalloc.offload.Runtime` for CuPy programs: over ``allocator`` (default: the
     current vmalloc allocator of ``device``, or of CuPy's current device), with CuPy's current
     stream as the compute stream; ``budget``, ``scheduler``, ``window``, ``persistent``
-    (default ``"auto"``, as every driver) and ``strict`` as for the Runtime. It is a context
+    (default ``"auto"``, as every driver), ``strict`` and ``recompute`` (blocks run by
+    ``rt.call(fn, reads, writes)`` may be recomputed instead of swapped) as for the Runtime.
+    It is a context
     manager (leaving it brings every buffer back; ``stats()`` keeps its values). Mark each
     block of work::
 
@@ -221,7 +223,8 @@ def out_of_core(allocator=None, budget=None, scheduler="window", window=None, de
     elif not isinstance(stream, int):
         stream = stream.ptr
     return Runtime(allocator, budget=budget, scheduler=scheduler, window=window, stream=stream,
-                   host_compute=False, persistent=persistent, strict=strict)
+                   host_compute=False, persistent=persistent, strict=strict,
+                   recompute=recompute)
 
 
 def array(ptrs, buffer, shape, dtype="float32"):
