@@ -2,7 +2,7 @@
 # LoggingAllocator). The C++ interface it wraps is declared in vmalloc/_lib/alloc/allocator.pxd.
 from libcpp.memory cimport shared_ptr
 
-from vmalloc._device cimport Device
+from vmalloc._core.device cimport Device
 from vmalloc._lib.alloc.allocator cimport CAllocator
 from vmalloc._lib.base.stats cimport CStats
 
@@ -13,7 +13,7 @@ cdef object stats_from_c(const CStats& s)
 cdef class Allocator:
     cdef shared_ptr[CAllocator] c_allocator
     cdef readonly Device device
-    cdef bint init_called  # see vmalloc/_init_once.pxd
+    cdef bint init_called  # see vmalloc/_core/init_once.pxd
     cdef CAllocator* get(self) except NULL
 
 

@@ -1,9 +1,9 @@
-# vmalloc._allocator, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
+# vmalloc._core.allocator, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
 from typing import Any
 
+from vmalloc._core.stats import Stats as Stats
 from vmalloc.errors import OutOfMemoryError as OutOfMemoryError
 from vmalloc.sizes import parse_size as parse_size
-from vmalloc.stats import Stats as Stats
 
 class Allocator:
     def __init__(self, *args, **kwargs) -> None: ...

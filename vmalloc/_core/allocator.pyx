@@ -5,14 +5,14 @@ from libc.stdint cimport uintptr_t
 from libcpp.memory cimport shared_ptr
 from libcpp.string cimport string
 
-from vmalloc._device cimport Device, stream_handle
+from vmalloc._core.device cimport Device, stream_handle
 from vmalloc._lib.alloc.allocator cimport CAllocator
 from vmalloc._lib.base.stats cimport CStats
 from vmalloc._lib.base.types cimport unknown_size
 
 from vmalloc.errors import OutOfMemoryError
 from vmalloc.sizes import MAX_SIZE, parse_size
-from vmalloc.stats import Stats
+from vmalloc._core.stats import Stats
 
 
 cdef size_t _MAX_REQUEST = MAX_SIZE

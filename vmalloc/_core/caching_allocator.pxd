@@ -1,6 +1,6 @@
 # CachingAllocator, the wrapper of vmalloc::CachingAllocator
 # (vmalloc/_lib/alloc/caching_allocator.pxd).
-from vmalloc._allocator cimport Allocator
+from vmalloc._core.allocator cimport Allocator
 from vmalloc._lib.alloc.caching_allocator cimport CCachingAllocator
 
 

@@ -1,7 +1,7 @@
-# vmalloc._caching_allocator, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
+# vmalloc._core.caching_allocator, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
 from typing import Any
 
-from vmalloc._allocator import Allocator
+from vmalloc._core.allocator import Allocator
 from vmalloc.errors import InvalidArgumentError as InvalidArgumentError
 from vmalloc.sizes import parse_optional_size as parse_optional_size
 from vmalloc.sizes import parse_size as parse_size

@@ -5,9 +5,9 @@ from libc.stdint cimport uintptr_t
 from libcpp.memory cimport shared_ptr, static_pointer_cast
 from libcpp.vector cimport vector
 
-from vmalloc._allocator cimport Allocator
-from vmalloc._device cimport Device, stream_handle
-from vmalloc._init_once cimport refuse_second_init
+from vmalloc._core.allocator cimport Allocator
+from vmalloc._core.device cimport Device, stream_handle
+from vmalloc._core.init_once cimport refuse_second_init
 from vmalloc._lib.alloc.allocator cimport CAllocator
 from vmalloc._lib.alloc.caching_allocator cimport (
     CBlockState,

@@ -1,5 +1,5 @@
 # CudaDevice, the wrapper of vmalloc::CudaDevice (vmalloc/_lib/device/cuda_device.pxd).
-from vmalloc._device cimport Device
+from vmalloc._core.device cimport Device
 from vmalloc._lib.device.cuda_device cimport CCudaDevice
 
 

@@ -1,7 +1,7 @@
-# vmalloc._cuda_device, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
+# vmalloc._core.cuda_device, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
 from typing import Any
 
-from vmalloc._device import Device
+from vmalloc._core.device import Device
 
 class CudaDevice(Device):
     def __init__(self, ordinal=..., library=...) -> None: ...

@@ -3,8 +3,8 @@
 
 from libcpp.string cimport string
 
-from vmalloc._device cimport Device
-from vmalloc._init_once cimport refuse_second_init
+from vmalloc._core.device cimport Device
+from vmalloc._core.init_once cimport refuse_second_init
 from vmalloc._lib.device.cuda_device cimport CCudaDevice
 from vmalloc._lib.device.detail.cuda_driver cimport (
     default_driver_library,

@@ -1,4 +1,4 @@
-# vmalloc._current_allocator, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
+# vmalloc._core.current_allocator, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
 from typing import Any
 
 from vmalloc.errors import InvalidArgumentError as InvalidArgumentError

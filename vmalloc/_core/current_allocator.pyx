@@ -8,8 +8,8 @@ from libc.stdint cimport uintptr_t
 from libcpp.memory cimport shared_ptr
 from libcpp.vector cimport vector
 
-from vmalloc._allocator cimport Allocator, wrap_allocator
-from vmalloc._device cimport wrap_device
+from vmalloc._core.allocator cimport Allocator, wrap_allocator
+from vmalloc._core.device cimport wrap_device
 from vmalloc._lib.alloc.allocator cimport CAllocator
 from vmalloc._lib.alloc.current_allocator cimport (
     c_current_allocator,

@@ -8,7 +8,7 @@ from vmalloc._lib.device.device cimport CDevice
 
 cdef class Device:
     cdef shared_ptr[CDevice] c_device
-    cdef bint init_called  # see vmalloc/_init_once.pxd
+    cdef bint init_called  # see vmalloc/_core/init_once.pxd
     cdef CDevice* get(self) except NULL
 
 

@@ -1,4 +1,4 @@
-# vmalloc._device, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
+# vmalloc._core.device, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
 from typing import Any
 
 from vmalloc.sizes import parse_size as parse_size

@@ -8,7 +8,7 @@ def as_device_map(allocators, device_key=None):
     without it keys are kept as given. Raises TypeError for anything that is not a
     ``vmalloc.Allocator`` or a mapping of them.
     """
-    from vmalloc._allocator import Allocator  # an extension module: import it when used
+    from vmalloc._core.allocator import Allocator  # an extension module: import it when used
 
     if isinstance(allocators, Allocator):
         return {allocators.device.ordinal: allocators}

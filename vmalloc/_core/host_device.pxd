@@ -1,5 +1,5 @@
 # HostDevice, the wrapper of vmalloc::HostDevice (vmalloc/_lib/device/host_device.pxd).
-from vmalloc._device cimport Device
+from vmalloc._core.device cimport Device
 from vmalloc._lib.device.host_device cimport CHostDevice
 
 

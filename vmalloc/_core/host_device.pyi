@@ -1,7 +1,7 @@
-# vmalloc._host_device, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
+# vmalloc._core.host_device, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
 from typing import Any
 
-from vmalloc._device import Device
+from vmalloc._core.device import Device
 from vmalloc.errors import DeviceError as DeviceError
 from vmalloc.sizes import parse_size as parse_size
 

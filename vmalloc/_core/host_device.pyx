@@ -4,8 +4,8 @@
 from libc.stdint cimport uint64_t, uintptr_t
 from libcpp cimport bool as cbool
 
-from vmalloc._device cimport Device, stream_handle
-from vmalloc._init_once cimport refuse_second_init
+from vmalloc._core.device cimport Device, stream_handle
+from vmalloc._core.init_once cimport refuse_second_init
 from vmalloc._lib.device.device cimport CDevice
 from vmalloc._lib.device.host_device cimport (
     CHostDevice,

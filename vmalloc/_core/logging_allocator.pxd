@@ -1,6 +1,6 @@
 # LoggingAllocator, the wrapper of vmalloc::LoggingAllocator
 # (vmalloc/_lib/trace/logging_allocator.pxd).
-from vmalloc._allocator cimport Allocator
+from vmalloc._core.allocator cimport Allocator
 from vmalloc._lib.trace.logging_allocator cimport CLoggingAllocator
 
 

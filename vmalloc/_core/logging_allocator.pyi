@@ -1,7 +1,7 @@
-# vmalloc._logging_allocator, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
+# vmalloc._core.logging_allocator, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
 from typing import Any
 
-from vmalloc._allocator import Allocator
+from vmalloc._core.allocator import Allocator
 
 class LoggingAllocator(Allocator):
     def __init__(self, allocator, path) -> None: ...

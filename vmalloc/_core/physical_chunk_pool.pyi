@@ -1,4 +1,4 @@
-# vmalloc._physical_chunk_pool, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
+# vmalloc._core.physical_chunk_pool, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
 from typing import Any
 
 from vmalloc.sizes import parse_optional_size as parse_optional_size

@@ -5,8 +5,8 @@
 from libc.stdint cimport uint64_t
 from libcpp.memory cimport shared_ptr
 
-from vmalloc._device cimport Device
-from vmalloc._init_once cimport refuse_second_init
+from vmalloc._core.device cimport Device
+from vmalloc._core.init_once cimport refuse_second_init
 from vmalloc._lib.chunks.physical_chunk_pool cimport ChunkPoolStats, CPhysicalChunkPool
 from vmalloc._lib.device.device cimport CDevice
 

@@ -3,8 +3,8 @@
 # the placement choosing the C++ class.
 from libcpp.memory cimport shared_ptr
 
-from vmalloc._allocator cimport Allocator
-from vmalloc._device cimport Device
+from vmalloc._core.allocator cimport Allocator
+from vmalloc._core.device cimport Device
 from vmalloc._lib.alloc.packed_virtual_allocator cimport CPackedVirtualAllocator
 from vmalloc._lib.alloc.virtual_allocator cimport CVirtualAllocator
 

@@ -1,8 +1,8 @@
-# vmalloc._virtual_allocator, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
+# vmalloc._core.virtual_allocator, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
 from typing import Any
 
-from vmalloc._allocator import Allocator
-from vmalloc._physical_chunk_pool import PhysicalChunkPool as PhysicalChunkPool
+from vmalloc._core.allocator import Allocator
+from vmalloc._core.physical_chunk_pool import PhysicalChunkPool as PhysicalChunkPool
 from vmalloc.errors import InvalidArgumentError as InvalidArgumentError
 from vmalloc.sizes import parse_optional_size as parse_optional_size
 from vmalloc.sizes import parse_size as parse_size

@@ -5,9 +5,9 @@ from libc.stdint cimport uint64_t
 from libcpp cimport bool
 from libcpp.memory cimport shared_ptr, static_pointer_cast
 
-from vmalloc._allocator cimport Allocator
-from vmalloc._device cimport Device, stream_handle
-from vmalloc._init_once cimport refuse_second_init
+from vmalloc._core.allocator cimport Allocator
+from vmalloc._core.device cimport Device, stream_handle
+from vmalloc._core.init_once cimport refuse_second_init
 from vmalloc._lib.alloc.allocator cimport CAllocator
 from vmalloc._lib.alloc.packed_virtual_allocator cimport (
     CPackedVirtualAllocator,
@@ -27,7 +27,7 @@ from vmalloc.errors import InvalidArgumentError
 from vmalloc.sizes import parse_optional_size, parse_size
 
 # PhysicalChunkPool has a module of its own; it is still importable from here, where it was.
-from vmalloc._physical_chunk_pool import PhysicalChunkPool  # noqa: F401
+from vmalloc._core.physical_chunk_pool import PhysicalChunkPool  # noqa: F401
 
 
 #: The placement policies of :class:`VirtualAllocator`.

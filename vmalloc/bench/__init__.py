@@ -44,7 +44,7 @@ def available_allocators(names=DEFAULT_ALLOCATORS):
 
 def hit_cpp(allocator, nbytes, pairs):
     """ns per allocate+deallocate pair of ``nbytes``, the loop in C++."""
-    from vmalloc import _bench
+    from vmalloc.bench import _bench
 
     return _bench.time_alloc_free_pairs(allocator, nbytes, pairs)["ns_per_pair"]
 
@@ -221,6 +221,3 @@ def main(argv=None):
               file=sys.stderr)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,8 +4,8 @@
 from libc.stdint cimport uintptr_t
 from libcpp.vector cimport vector
 
-from vmalloc._allocator cimport Allocator
-from vmalloc._device cimport stream_handle
+from vmalloc._core.allocator cimport Allocator
+from vmalloc._core.device cimport stream_handle
 from vmalloc._lib.alloc.allocator cimport CAllocator
 from vmalloc._lib.bench.bench cimport PairTiming, c_time_alloc_free_pairs, c_time_size_cycle
 

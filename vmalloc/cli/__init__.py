@@ -16,11 +16,11 @@ import sys
 
 from vmalloc import allocator_kinds
 from vmalloc.errors import VmallocError
-from vmalloc._cli_errors import CliError as _CliError
-from vmalloc._cli_errors import flag_for as _flag_for
-from vmalloc._cli_errors import in_cli_terms as _in_cli_terms
-from vmalloc._cli_errors import prog as _prog
-from vmalloc._cli_errors import user_errors as _user_errors
+from vmalloc.cli.errors import CliError as _CliError
+from vmalloc.cli.errors import flag_for as _flag_for
+from vmalloc.cli.errors import in_cli_terms as _in_cli_terms
+from vmalloc.cli.errors import prog as _prog
+from vmalloc.cli.errors import user_errors as _user_errors
 from vmalloc.sizes import chunk_size_problem, positive_size_argument
 
 __all__ = ["main"]
@@ -119,7 +119,7 @@ def _parser():
                         "whose counters tell what was allocated, drop for the others")
     _add_run_options(p)
 
-    from vmalloc.stress import PATTERNS
+    from vmalloc.replay.stress import PATTERNS
 
     p = sub.add_parser(
         "stress", help="replay generated patterns that break best-fit caching",
@@ -185,7 +185,7 @@ def _report(results, args):
         json.dump([r.to_dict() for r in results], sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        from vmalloc.verdict import verdicts
+        from vmalloc.replay.verdict import verdicts
 
         print(format_table(results))
         lines = verdicts(results)
@@ -193,7 +193,7 @@ def _report(results, args):
         for trace, line in lines:
             print(f"{trace}: {line}" if len(lines) > 1 else line)
     if args.plot:
-        from vmalloc.plot import plot_results
+        from vmalloc.replay.plot import plot_results
 
         plot_results(results, args.plot)
         print(f"plot written to {args.plot}", file=sys.stderr)
@@ -220,7 +220,7 @@ def _check_outputs(args):
         if problem:
             raise _CliError(f"--chunk-size {problem}")
     if getattr(args, "plot", None):
-        from vmalloc.plot import plot_format
+        from vmalloc.replay.plot import plot_format
 
         try:
             plot_format(args.plot)
@@ -368,7 +368,7 @@ def _replay_command(args):
 
 def _stress_command(args):
     from vmalloc.replay import TraceSource
-    from vmalloc.stress import PATTERNS, generate
+    from vmalloc.replay.stress import PATTERNS, generate
 
     names = args.patterns or list(PATTERNS)
     for n in names:
@@ -422,7 +422,7 @@ def main(argv=None):
             # Everything after "bench" is the benchmark's own command line.
             return _bench_command(argv[1:])
         if command == "doctor":
-            from vmalloc.doctor import main as doctor_main
+            from vmalloc.cli.doctor import main as doctor_main
 
             return doctor_main(argv[1:])
         args = _parser().parse_args(argv)

@@ -48,7 +48,7 @@ def _no_gpu_reason(error):
 
 
 def _device_checks(report, device):
-    from vmalloc import probe
+    from vmalloc.cli import probe
 
     info = probe.driver_info(device)
     report["device"] = info

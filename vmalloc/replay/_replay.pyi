@@ -1,4 +1,4 @@
-# vmalloc._replay, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
+# vmalloc.replay._replay, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
 from typing import Any
 
 from vmalloc.errors import InvalidArgumentError as InvalidArgumentError

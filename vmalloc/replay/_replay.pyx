@@ -6,8 +6,8 @@ from libcpp cimport bool
 from libcpp.memory cimport shared_ptr
 from libcpp.vector cimport vector
 
-from vmalloc._allocator cimport Allocator
-from vmalloc._init_once cimport refuse_second_init
+from vmalloc._core.allocator cimport Allocator
+from vmalloc._core.init_once cimport refuse_second_init
 from vmalloc._lib.alloc.allocator cimport CAllocator
 from vmalloc._lib.trace.replay cimport (
     CReplay,

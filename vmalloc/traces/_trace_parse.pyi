@@ -1,4 +1,4 @@
-# vmalloc._trace_parse, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
+# vmalloc.traces._trace_parse, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
 from typing import Any
 
 EVENT_DTYPE: Any
