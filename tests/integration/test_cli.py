@@ -249,7 +249,7 @@ def test_every_option_of_every_command_has_help():
     (["stress", "swap", "-a", "virtual-packed", "--remap-slack", "2"],
      "vmalloc stress: error: --remap-slack must be in [0, 1], got 2.000000"),
     (["stress", "swap", "-a", "caching", "--max-split-size", "1MiB"],
-     "vmalloc stress: error: --max-split-size 1.00 MiB (1048576 B) is below 20 MiB (kLargeBuffer), "
+     "vmalloc stress: error: --max-split-size 1.00 MiB (1048576 bytes) is below 20 MiB (kLargeBuffer), "
      "PyTorch's minimum"),
     (["stress", "swap", "--scale", "0"], "vmalloc stress: error: --scale must be a positive "
      "int, got 0"),

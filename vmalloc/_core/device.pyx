@@ -12,6 +12,7 @@ from vmalloc._lib.base.driver_calls cimport (
     driver_call_count,
     driver_call_name_at,
 )
+from vmalloc._lib.base.detail.format cimport human_bytes
 from vmalloc._lib.device.device cimport CDevice
 
 from vmalloc.sizes import parse_size
@@ -46,6 +47,12 @@ cdef Device wrap_device(shared_ptr[CDevice] c_device):
 
 def _call_names():
     return [driver_call_name_at(i).decode() for i in range(driver_call_count)]
+
+
+def _human_bytes(size_t nbytes, bool exact=False):
+    """The C++ byte formatter (``vmalloc::detail::human_bytes``, in the library's messages),
+    for the test that holds :func:`vmalloc.format_size` to it."""
+    return human_bytes(nbytes, exact).decode()
 
 
 cdef class Device:

@@ -190,7 +190,7 @@ def run():
         del device
     report["host_memory"] = mem = host_memory()
     if mem["memlock_limit_bytes"] is not None and mem["memlock_limit_bytes"] < 64 * MiB:
-        _problem(report, f"locked-memory limit {mem['memlock_limit_bytes']} bytes: pinned "
+        _problem(report, f"locked-memory limit {_size(mem['memlock_limit_bytes'])}: pinned "
                  "staging memory for swapping may fail", "raise it: ulimit -l unlimited",
                  broken=False)
     report["frameworks"] = frameworks(report["gpu"])

@@ -1,16 +1,17 @@
 """Plots of replay results: requested and reserved bytes over a trace, per allocator.
 
 The plot the fragmentation study is about (the paper's Figure 3, for your own trace): one
-panel per trace, the event index across, GiB up; the bytes the trace asked for (the same for
-every allocator) and the bytes each allocator reserved. The gap between the two is the waste.
+panel per trace, the event index across, bytes up (in the unit of the largest figure); the
+bytes the trace asked for (the same for every allocator) and the bytes each allocator
+reserved. The gap between the two is the waste.
 Uses matplotlib's Agg canvas directly, so no display and no global backend are needed.
 """
 
 from collections import OrderedDict
 
-__all__ = ["plot_results"]
+from vmalloc.sizes import binary_unit, format_size
 
-GiB = float(1 << 30)
+__all__ = ["plot_results"]
 
 # One colour per allocator, the same in every panel.
 _COLORS = {"caching": "#d62728", "virtual": "#1f77b4"}
@@ -60,8 +61,12 @@ def plot_results(results, path, title=None, dpi=110):
         # Requested bytes are the trace's, whatever the allocator: draw the longest run's.
         longest = max(group, key=lambda r: r.events)
         t = longest.timeline
-        ax.step(t.events, t.requested_bytes / GiB, where="post", color="black", lw=1.2,
-                label=f"requested (peak {longest.peak_requested_bytes / GiB:.2f} GiB)")
+        # The axis in the unit format_size gives the largest figure drawn, as in the labels.
+        unit, scale = binary_unit(max([longest.peak_requested_bytes or 0]
+                                      + [r.peak_reserved_bytes or 0 for r in group]
+                                      + [r.capacity_bytes or 0 for r in group]))
+        ax.step(t.events, t.requested_bytes / scale, where="post", color="black", lw=1.2,
+                label=f"requested (peak {format_size(longest.peak_requested_bytes)})")
         parts = []
         for result in group:
             name = result.allocator
@@ -69,22 +74,22 @@ def plot_results(results, path, title=None, dpi=110):
                 colors[name] = _COLORS.get(name) or next(spare, "#7f7f7f")
             t = result.timeline
             util = "-" if result.utilization is None else f"{result.utilization:.3f}"
-            label = (f"reserved: {name} (peak {result.peak_reserved_bytes / GiB:.2f} GiB, "
+            label = (f"reserved: {name} (peak {format_size(result.peak_reserved_bytes)}, "
                      f"utilization {util})")
             if result.min_capacity_bytes:
-                label += f", runs in {result.min_capacity_bytes / GiB:.2f} GiB"
+                label += f", runs in {format_size(result.min_capacity_bytes)}"
             if result.out_of_memory_event is not None:
                 label += f", out of memory at event {result.out_of_memory_event:,}"
                 ax.axvline(result.out_of_memory_event, color=colors[name], ls=":", lw=1)
-            ax.step(t.events, t.reserved_bytes / GiB, where="post", color=colors[name], lw=1.6,
+            ax.step(t.events, t.reserved_bytes / scale, where="post", color=colors[name], lw=1.6,
                     label=label)
             parts.append(f"{name} {util}")
             if result.capacity_bytes:
-                ax.axhline(result.capacity_bytes / GiB, color="gray", ls="--", lw=0.8)
+                ax.axhline(result.capacity_bytes / scale, color="gray", ls="--", lw=0.8)
         ax.set_title(f"{trace}\nutilization (peak requested / peak reserved): "
                      + ", ".join(parts), fontsize=10)
         ax.set_xlabel("event index")
-        ax.set_ylabel("GiB")
+        ax.set_ylabel(unit)
         ax.set_xlim(left=0)
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
