@@ -1,5 +1,5 @@
 """Allocation benchmark (thin script): the same as ``vmalloc bench`` and
-``python -m vmalloc.bench``; see vmalloc/bench.py for what it measures.
+``python -m vmalloc.bench``; see vmalloc/bench/ for what it measures.
 
     PYTHONPATH=build/<name>/python python benchmarks/alloc_bench.py [--json] [--quick]
 """

@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 import vmalloc
-from vmalloc import allocator_kinds, stress
+from vmalloc import allocator_kinds
+from vmalloc.replay import stress
 from vmalloc.replay import replay_once
 from vmalloc.traces import builtin_traces, open_trace
 from vmalloc.traces.events import ALLOC, EVENT_DTYPE, FREE

@@ -5,7 +5,7 @@ Without a GPU the checks run on the driver emulator and the report says so.
 Run: python examples/machine_check.py
 """
 
-from vmalloc import doctor
+from vmalloc.cli import doctor
 
 
 def main():

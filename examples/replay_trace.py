@@ -49,7 +49,7 @@ def main():
               f"({best.allocator}) needs {format_size(best.min_capacity_bytes)}.")
 
     if args.plot:
-        from vmalloc.plot import plot_results
+        from vmalloc.replay.plot import plot_results
 
         plot_results(results, args.plot)
         print(f"plot written to {args.plot}")

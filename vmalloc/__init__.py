@@ -14,10 +14,10 @@ from vmalloc.errors import (
     VmallocError,
 )
 from vmalloc.sizes import format_size, parse_size
-from vmalloc.stats import Stats
+from vmalloc._core.stats import Stats
 
 try:
-    from vmalloc._device import Device
+    from vmalloc._core.device import Device
 except ImportError as _error:  # pragma: no cover - depends on how vmalloc was installed
     import os as _os
 
@@ -29,18 +29,18 @@ except ImportError as _error:  # pragma: no cover - depends on how vmalloc was i
         f"vmalloc, or build in place: `pip install -e .`, or `scripts/dev-build NAME` then "
         f"PYTHONPATH=build/NAME/python. (Original error: {_error})"
     ) from _error
-from vmalloc._allocator import Allocator
-from vmalloc._host_device import HostDevice
-from vmalloc._cuda_device import CudaDevice
-from vmalloc._caching_allocator import CachingAllocator
-from vmalloc._logging_allocator import LoggingAllocator
+from vmalloc._core.allocator import Allocator
+from vmalloc._core.host_device import HostDevice
+from vmalloc._core.cuda_device import CudaDevice
+from vmalloc._core.caching_allocator import CachingAllocator
+from vmalloc._core.logging_allocator import LoggingAllocator
 from vmalloc import traces
-from vmalloc._current_allocator import (
+from vmalloc._core.current_allocator import (
     get_current_allocator,
     library_path,
     set_current_allocator,
 )
-from vmalloc._virtual_allocator import VirtualAllocator
+from vmalloc._core.virtual_allocator import VirtualAllocator
 
 __version__ = "0.1.0"
 

@@ -141,11 +141,27 @@ def size_list_argument(text):
     return sizes
 
 
-def format_size(nbytes):
-    """``2097152`` -> ``"2.00 MiB"``; for tables and messages."""
-    value = float(nbytes)
+def format_size(nbytes, exact=False):
+    """``2097152`` -> ``"2.00 MiB"``, ``512`` -> ``"512 B"``: the package's one byte formatter,
+    for tables and messages. Binary units up to PiB, two decimals above bytes; with ``exact``
+    a rounded figure is followed by the count (``"2.00 MiB (2097152 bytes)"``).
+
+    The C++ side writes sizes alike (``vmalloc::detail::human_bytes``, in the library's
+    messages and ``Stats`` summaries); tests/alloc/test_byte_format.py holds the two together.
+    """
+    unit, scale = binary_unit(nbytes)
+    if scale == 1:
+        return f"{int(nbytes)} B"
+    text = f"{float(nbytes) / scale:.2f} {unit}"
+    return f"{text} ({int(nbytes)} bytes)" if exact else text
+
+
+def binary_unit(nbytes):
+    """The unit :func:`format_size` writes ``nbytes`` in, and its bytes: ``(2 << 20)`` ->
+    ``("MiB", 1048576)``. For a plot's axis, so that it reads as the sizes printed beside it."""
+    value, scale = abs(float(nbytes)), 1
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} PiB"  # pragma: no cover
+        if value < 1024 * scale:
+            return unit, scale
+        scale *= 1024
+    return "PiB", scale

@@ -20,9 +20,9 @@ PyTorch raises an ImportError that says so.
 import sys
 import threading
 
-from vmalloc import _current_allocator
-from vmalloc._current_allocator import library_path
-from vmalloc._device_map import as_device_map
+from vmalloc._core import current_allocator as _current_allocator
+from vmalloc._core.current_allocator import library_path
+from vmalloc._core.device_map import as_device_map
 from vmalloc.errors import OutOfMemoryError, VmallocError
 
 __all__ = [
@@ -186,7 +186,7 @@ def memory_stats(device=None):
 def memory_summary(device=None):
     """A readable table of ``device``'s current vmalloc allocator's statistics, in the manner
     of ``torch.cuda.memory_summary()`` (which raises under a pluggable allocator)."""
-    from vmalloc.stats import format_memory_summary
+    from vmalloc._core.stats import format_memory_summary
 
     index, allocator = _allocator_of(device)
     return format_memory_summary(allocator.stats(), index)

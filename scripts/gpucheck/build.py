@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 DEV_NAME = "gpu-check"
 
-_CHECK = ("import vmalloc, vmalloc._device, os; "
+_CHECK = ("import vmalloc, vmalloc._core.device, os; "
           "print(os.path.dirname(os.path.dirname(vmalloc.__file__)))")
 
 

@@ -1,4 +1,4 @@
-"""The device, driver_costs and bandwidth sections: vmalloc.probe on the GPU (or the driver
+"""The device, driver_costs and bandwidth sections: vmalloc.cli.probe on the GPU (or the driver
 emulator under --dry-run), beside the constants the simulator uses."""
 
 import shutil
@@ -53,7 +53,7 @@ def _cuda_runtime_version():
 
 
 def device(ctx):
-    from vmalloc import probe
+    from vmalloc.cli import probe
 
     dev, ran_on = ctx.open_device()
     info = probe.driver_info(dev)
@@ -69,7 +69,7 @@ def device(ctx):
 
 
 def driver_costs(ctx):
-    from vmalloc import probe
+    from vmalloc.cli import probe
 
     dev, ran_on = ctx.open_device()
     sizes = (2 * MiB, 20 * MiB, 512 * MiB)
@@ -87,7 +87,7 @@ def driver_costs(ctx):
 
 
 def bandwidth(ctx):
-    from vmalloc import probe
+    from vmalloc.cli import probe
 
     dev, ran_on = ctx.open_device()
     nbytes = (8 if ctx.dry_run else 64 if ctx.quick else 256) * MiB

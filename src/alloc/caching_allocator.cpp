@@ -16,21 +16,8 @@ namespace {
 
 std::size_t round_up(std::size_t n, std::size_t unit) { return (n + unit - 1) / unit * unit; }
 
-std::string bytes(std::size_t n) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  double v = static_cast<double>(n);
-  int u = 0;
-  while (v >= 1024.0 && u < 5) {
-    v /= 1024.0;
-    ++u;
-  }
-  char buf[48];
-  if (u == 0)
-    std::snprintf(buf, sizeof buf, "%zu B", n);
-  else
-    std::snprintf(buf, sizeof buf, "%.2f %s (%zu B)", v, units[u], n);
-  return buf;
-}
+// Sizes in messages keep their exact count: a user compares them with the bytes they passed.
+std::string bytes(std::size_t n) { return detail::human_bytes(n, true); }
 
 const std::shared_ptr<Device>& checked(const std::shared_ptr<Device>& device) {
   if (!device) throw InvalidArgument("CachingAllocator: device must not be null");

@@ -10,7 +10,7 @@ std::string hex(std::uint64_t value) {
   return buf;
 }
 
-std::string human_bytes(std::size_t bytes) {
+std::string human_bytes(std::size_t bytes, bool exact) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
   double v = static_cast<double>(bytes);
   int u = 0;
@@ -18,11 +18,13 @@ std::string human_bytes(std::size_t bytes) {
     v /= 1024.0;
     ++u;
   }
-  char buf[40];
+  char buf[64];
   if (u == 0)
-    std::snprintf(buf, sizeof buf, "%zuB", bytes);
+    std::snprintf(buf, sizeof buf, "%zu B", bytes);
+  else if (exact)
+    std::snprintf(buf, sizeof buf, "%.2f %s (%zu bytes)", v, units[u], bytes);
   else
-    std::snprintf(buf, sizeof buf, "%.2f%s", v, units[u]);
+    std::snprintf(buf, sizeof buf, "%.2f %s", v, units[u]);
   return buf;
 }
 

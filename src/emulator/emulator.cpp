@@ -62,22 +62,6 @@ void exit_report() { Emulator::instance().write_exit_report(); }
 
 void fail(CUresult code, std::string message) { throw Failure{code, std::move(message)}; }
 
-std::string hex(std::uintptr_t value) {
-  char buf[24];
-  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(value));
-  return buf;
-}
-
-std::string bytes(std::size_t n) {
-  char buf[64];
-  const double mib = static_cast<double>(n) / (1 << 20);
-  if (n >= (std::size_t{1} << 30))
-    std::snprintf(buf, sizeof buf, "%zu bytes (%.2f GiB)", n, mib / 1024);
-  else
-    std::snprintf(buf, sizeof buf, "%zu bytes (%.2f MiB)", n, mib);
-  return buf;
-}
-
 Config Config::from_environment() {
   Config c;
   if (const char* v = env("VMALLOC_EMULATOR_DEVICES")) {

@@ -21,6 +21,7 @@
 #include "entry_point_table.hpp"
 #include "contexts.hpp"
 #include "faults.hpp"
+#include "vmalloc/base/detail/format.hpp"
 #include "vmalloc/device/detail/cuda_driver.hpp"
 #include "vmalloc/device/host_device.hpp"
 
@@ -204,9 +205,9 @@ class Emulator {
   std::atomic<bool> verbose_{false};
 };
 
-// "0x7f...": addresses and handles in messages.
-std::string hex(std::uintptr_t value);
-// "2097152 bytes (2.00 MiB)".
-std::string bytes(std::size_t n);
+// Addresses and handles ("0x7f...") and sizes ("2.00 MiB (2097152 bytes)") in messages: the
+// library's own formatters, so that the emulator and vmalloc write sizes alike.
+inline std::string hex(std::uintptr_t value) { return vmalloc::detail::hex(value); }
+inline std::string bytes(std::size_t n) { return vmalloc::detail::human_bytes(n, true); }
 
 }  // namespace vmalloc::emulator

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import vmalloc
-from vmalloc import allocator_kinds, stress
+from vmalloc import allocator_kinds
+from vmalloc.replay import stress
 from vmalloc.replay import replay_once
 
 MiB = 1 << 20

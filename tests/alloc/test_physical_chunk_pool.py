@@ -12,7 +12,7 @@ MiB = 1 << 20
 
 
 def pool_class():
-    from vmalloc._virtual_allocator import PhysicalChunkPool
+    from vmalloc._core.virtual_allocator import PhysicalChunkPool
 
     return PhysicalChunkPool
 

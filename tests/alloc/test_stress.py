@@ -1,4 +1,4 @@
-"""The stress patterns (vmalloc.stress): best-fit caching's waste is reproduced, and the
+"""The stress patterns (vmalloc.replay.stress): best-fit caching's waste is reproduced, and the
 virtual allocator stays within its bound."""
 
 import math
@@ -8,7 +8,7 @@ import pytest
 
 import vmalloc
 from vmalloc.replay import min_capacity, replay, replay_once
-from vmalloc.stress import (
+from vmalloc.replay.stress import (
     PATTERNS,
     generate,
     growing_pattern,

@@ -16,7 +16,7 @@ _CIMPORT = re.compile(r"^\s*(?:from\s+vmalloc\._lib\.([\w.]+)\s+cimport|cimport\
                       r"\.([\w.]+))", re.M)
 
 #: Declaration files outside the mirror, and the one header each declares.
-OUTSIDE = {"translate.pxd": "_translate.hpp", "c_api.pxd": "vmalloc/c_api.h",
+OUTSIDE = {"translate.pxd": "_core/translate.hpp", "c_api.pxd": "vmalloc/c_api.h",
            "dlfcn.pxd": "<dlfcn.h>"}
 
 

@@ -673,8 +673,8 @@ def test_devices_are_separate(drv, cu, emu):
 
 def test_leak_report_names_each_leaked_resource_exactly(drv, cu, emu):
     handle = drv.create()
-    line = (f"device {drv.ordinal}: physical allocation handle {handle} of 2097152 bytes "
-            "(2.00 MiB) not released (cuMemRelease)\n")
+    line = (f"device {drv.ordinal}: physical allocation handle {handle} of 2.00 MiB "
+            "(2097152 bytes) not released (cuMemRelease)\n")
     context_line = (f"device {drv.ordinal}: primary context retained 1 time(s), not released "
                     "(cuDevicePrimaryCtxRelease)\n")
     assert emu.leak_report(drv.ordinal) == context_line + line
@@ -688,11 +688,11 @@ def test_leak_report_names_each_leaked_resource_exactly(drv, cu, emu):
     report = emu.leak_report(drv.ordinal).splitlines()
     assert report == [
         context_line.strip(), line.strip(),
-        f"device {drv.ordinal}: reservation at {ptr:#x} of 4194304 bytes (4.00 MiB) not freed "
+        f"device {drv.ordinal}: reservation at {ptr:#x} of 4.00 MiB (4194304 bytes) not freed "
         "(cuMemAddressFree)",
-        f"device {drv.ordinal}: mapping at {ptr:#x} of 2097152 bytes (2.00 MiB) (handle "
+        f"device {drv.ordinal}: mapping at {ptr:#x} of 2.00 MiB (2097152 bytes) (handle "
         f"{handle}) not unmapped (cuMemUnmap)",
-        f"device {drv.ordinal}: pinned host memory at {host.value:#x} of 8192 bytes (0.01 MiB) "
+        f"device {drv.ordinal}: pinned host memory at {host.value:#x} of 8.00 KiB (8192 bytes) "
         "not freed (cuMemFreeHost)",
         f"device {drv.ordinal}: stream {stream.value:#x} not destroyed (cuStreamDestroy)",
         f"device {drv.ordinal}: event {event.value:#x} not destroyed (cuEventDestroy)",
@@ -716,7 +716,7 @@ def test_leak_report_at_exit_goes_to_stderr_and_the_file(tmp_path):
         print(h.value)
     """, env={"VMALLOC_EMULATOR_LEAK_REPORT": str(report)})
     handle = int(proc.stdout)
-    expected = (f"device 0: physical allocation handle {handle} of 2097152 bytes (2.00 MiB) not "
+    expected = (f"device 0: physical allocation handle {handle} of 2.00 MiB (2097152 bytes) not "
                 "released (cuMemRelease)\n")
     assert report.read_text() == expected
     assert proc.stderr == "vmalloc driver emulator: leaked at exit:\n" + expected

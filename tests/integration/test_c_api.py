@@ -130,7 +130,7 @@ def test_set_current_allocator_rejects_bad_arguments(allocator, lib):
         vmalloc.set_current_allocator(allocator, "cuda:0")
     # nothing changed
     assert vmalloc.get_current_allocator(0) is allocator
-    assert vmalloc._current_allocator.devices_with_current_allocator() == [0]
+    assert vmalloc._core.current_allocator.devices_with_current_allocator() == [0]
     assert lib.vmalloc_set_current_allocator(-3, None) == INVALID_ARGUMENT
     assert last_error(lib)[1] == ("vmalloc_set_current_allocator: device ordinal -3 is out of "
                                   "range [0, 1024)")
@@ -251,9 +251,9 @@ def test_errors_are_thread_local(allocator, lib):
     assert last_error(lib) == (SUCCESS, "")
     assert lib.vmalloc_torch_alloc(-1, 0, None) is None
     assert last_error(lib)[0] == INVALID_ARGUMENT
-    assert vmalloc._current_allocator.last_error() == (
+    assert vmalloc._core.current_allocator.last_error() == (
         INVALID_ARGUMENT, "vmalloc_torch_alloc: size -1 is negative")
-    vmalloc._current_allocator.clear_last_error()
+    vmalloc._core.current_allocator.clear_last_error()
     assert last_error(lib) == (SUCCESS, "")
 
 

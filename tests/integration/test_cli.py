@@ -100,7 +100,7 @@ def test_stress_reports_the_patterns(capsys):
     assert [(r["trace"], r["allocator"]) for r in results] == [
         ("growing", "caching"), ("growing", "virtual"), ("swap", "caching"),
         ("swap", "virtual")]
-    from vmalloc.stress import generate, trace_peaks
+    from vmalloc.replay.stress import generate, trace_peaks
 
     expected = trace_peaks(generate("swap", seed=2))["peak_requested_bytes"]
     assert results[2]["peak_requested_bytes"] == results[3]["peak_requested_bytes"] == expected
@@ -249,7 +249,7 @@ def test_every_option_of_every_command_has_help():
     (["stress", "swap", "-a", "virtual-packed", "--remap-slack", "2"],
      "vmalloc stress: error: --remap-slack must be in [0, 1], got 2.000000"),
     (["stress", "swap", "-a", "caching", "--max-split-size", "1MiB"],
-     "vmalloc stress: error: --max-split-size 1.00 MiB (1048576 B) is below 20 MiB (kLargeBuffer), "
+     "vmalloc stress: error: --max-split-size 1.00 MiB (1048576 bytes) is below 20 MiB (kLargeBuffer), "
      "PyTorch's minimum"),
     (["stress", "swap", "--scale", "0"], "vmalloc stress: error: --scale must be a positive "
      "int, got 0"),
@@ -290,7 +290,7 @@ def _result(allocator, reserved, min_capacity, completed=True, oom=None):
 
 
 def test_verdict_says_yes_a_little_or_no_with_the_savings_and_the_smallest_device():
-    from vmalloc.verdict import verdict
+    from vmalloc.replay.verdict import verdict
 
     yes = verdict([_result("caching", 200 * MiB, 180 * MiB),
                    _result("virtual", 110 * MiB, 104 * MiB),

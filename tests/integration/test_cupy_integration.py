@@ -47,7 +47,7 @@ def cupy():
 @pytest.fixture
 def allocator(make_allocator):
     a = make_allocator(vmalloc.HostDevice(capacity="64MiB", granularity="2MiB"))
-    vmalloc._current_allocator.clear_last_error()  # failures are sticky per thread
+    vmalloc._core.current_allocator.clear_last_error()  # failures are sticky per thread
     vmalloc.set_current_allocator(a, 0)
     yield a
     gc.collect()  # CuPy frees on garbage collection
@@ -92,7 +92,7 @@ def test_memory_pointer_from_the_allocator(cupy, allocator):
     gc.collect()
     stats = allocator.stats()
     assert (stats.live_allocations, stats.total_deallocations) == (0, 1)
-    assert vmalloc._current_allocator.last_error()[0] == 0
+    assert vmalloc._core.current_allocator.last_error()[0] == 0
 
 
 def test_the_stream_travels_to_the_allocator_and_back(cupy, allocator):
@@ -110,7 +110,7 @@ def test_the_stream_travels_to_the_allocator_and_back(cupy, allocator):
         del mp
         gc.collect()
         assert allocator.stats().live_allocations == 0
-        assert vmalloc._current_allocator.last_error()[0] == 0
+        assert vmalloc._core.current_allocator.last_error()[0] == 0
     finally:
         device.synchronize()
         device.destroy_stream(stream)
@@ -123,7 +123,7 @@ def test_zero_size(cupy, allocator):
 
 
 def test_out_of_memory_is_cupys_and_vmallocs(cupy, allocator):
-    vmalloc._current_allocator.clear_last_error()
+    vmalloc._core.current_allocator.clear_last_error()
     with pytest.raises(cupy.cuda.memory.OutOfMemoryError) as info:
         vmalloc.cupy.malloc(256 * MiB, 0)
     error = info.value

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from vmalloc import cli, doctor, probe, testing
+from vmalloc import cli, testing
+from vmalloc.cli import doctor, probe
 
 REPORT_KEYS = {"vmalloc", "python", "gpu", "ran_on", "no_gpu_reason", "device", "round_trip_us",
                "bandwidth", "host_memory", "frameworks", "problems", "seconds", "exit_code"}

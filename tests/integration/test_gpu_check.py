@@ -86,7 +86,7 @@ def test_dry_run_sections_measure(dry_run):
     assert s["tests"]["device_kinds"] == ["cuda-emulator"]
     assert s["tests"]["passed"] > 0 and (s["tests"]["failed"], s["tests"]["errors"]) == (0, 0)
     assert s["driver_costs"]["sizes_bytes"] == [2 * MiB, 20 * MiB, 512 * MiB]
-    from vmalloc import probe
+    from vmalloc.cli import probe
 
     assert list(s["driver_costs"]["calls"]) == list(probe.CALLS)
     assert all(v["median_us"] > 0 for call in s["driver_costs"]["calls"].values()

@@ -98,7 +98,7 @@ def fake_torch(monkeypatch):
 @pytest.fixture
 def allocator(make_allocator):
     a = make_allocator(vmalloc.HostDevice(capacity="64MiB", granularity="2MiB"))
-    vmalloc._current_allocator.clear_last_error()  # failures are sticky per thread
+    vmalloc._core.current_allocator.clear_last_error()  # failures are sticky per thread
     yield a
     vmalloc.set_current_allocator(None, 0)
     vmalloc.set_current_allocator(None, 1)
@@ -137,7 +137,7 @@ def test_use_vmalloc_installs_the_pluggable_allocator(fake_torch, allocator):
     assert allocator.stats().reserved_bytes > 0
     pluggable.hooks.reset()
     assert allocator.stats().reserved_bytes == 0
-    assert vmalloc._current_allocator.last_error()[0] == 0
+    assert vmalloc._core.current_allocator.last_error()[0] == 0
 
 
 def test_later_calls_only_change_the_current_allocators(fake_torch, allocator, make_allocator):

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 import vmalloc
 from vmalloc import testing
-from vmalloc._physical_chunk_pool import PhysicalChunkPool
-from vmalloc._replay import Replay
-from vmalloc._trace_parse import Kept, Pass
+from vmalloc._core.physical_chunk_pool import PhysicalChunkPool
+from vmalloc.replay._replay import Replay
+from vmalloc.traces._trace_parse import Kept, Pass
 from vmalloc.offload import SwapManager
 from vmalloc.traces.events import ALLOC, EVENT_DTYPE, FREE
 

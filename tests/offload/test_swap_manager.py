@@ -254,7 +254,7 @@ def test_host_capacity_exceeded_raises_and_changes_nothing():
     with pytest.raises(vmalloc.OutOfMemoryError, match="host") as info:
         swap.swap_out(p)
     message = str(info.value)
-    assert "5242880 bytes" in message and "5.00MiB" in message  # request and capacity
+    assert "5242880 bytes" in message and "5.00 MiB" in message  # request and capacity
     assert "in use" in message
     assert swap.state(p) == "resident"
     assert calls(dev) == before_calls and swap.stats() == before_stats

@@ -1,4 +1,4 @@
-"""The replay engine (vmalloc._replay.Replay) and its Python orchestration (vmalloc.replay)."""
+"""The replay engine (vmalloc.replay._replay.Replay) and its Python orchestration (vmalloc.replay)."""
 
 import json
 import math
@@ -18,7 +18,7 @@ from vmalloc.replay import (
     replay,
     replay_once,
 )
-from vmalloc.stress import trace_peaks
+from vmalloc.replay.stress import trace_peaks
 from vmalloc.traces.events import ALLOC, EVENT_DTYPE, FREE
 
 MiB = 1 << 20

@@ -21,9 +21,9 @@ says so.
 
 import threading
 
-from vmalloc import _current_allocator
-from vmalloc._current_allocator import STATUS, last_error
-from vmalloc._device_map import as_device_map
+from vmalloc._core import current_allocator as _current_allocator
+from vmalloc._core.current_allocator import STATUS, last_error
+from vmalloc._core.device_map import as_device_map
 from vmalloc.errors import InvalidArgumentError, OutOfMemoryError, VmallocError
 
 __all__ = ["VmallocCupyAllocator", "array", "malloc", "out_of_core", "use_vmalloc"]

@@ -10,9 +10,9 @@ from libcpp.memory cimport shared_ptr, static_pointer_cast
 from libcpp.pair cimport pair
 from libcpp.vector cimport vector
 
-from vmalloc._allocator cimport Allocator, wrap_allocator
-from vmalloc._device cimport stream_handle
-from vmalloc._init_once cimport refuse_second_init
+from vmalloc._core.allocator cimport Allocator, wrap_allocator
+from vmalloc._core.device cimport stream_handle
+from vmalloc._core.init_once cimport refuse_second_init
 from vmalloc._lib.alloc.allocator cimport CAllocator
 from vmalloc._lib.base.types cimport unknown_size
 from vmalloc._lib.offload.swap_manager cimport (

@@ -5,9 +5,9 @@ canvas directly (no display, no global backend)."""
 
 from __future__ import annotations
 
-__all__ = ["plot_timeline"]
+from vmalloc.sizes import binary_unit
 
-GiB = float(1 << 30)
+__all__ = ["plot_timeline"]
 
 
 def plot_timeline(result, path, title=None, dpi=110):
@@ -31,15 +31,17 @@ def plot_timeline(result, path, title=None, dpi=110):
     top.set_yticks([2, 1, 0], [name for name, _, _ in lanes])
     top.set_ylim(-0.6, 2.6)
     mem = tl["memory"]
+    # Bytes in the unit vmalloc.format_size gives the capacity (the largest figure drawn).
+    unit, scale = binary_unit(max([tl["capacity"], tl["budget"]] + [m[2] for m in mem]))
     if mem:
         ts = [m[0] for m in mem]
-        bottom.step(ts, [m[1] / GiB for m in mem], where="post", color="black",
+        bottom.step(ts, [m[1] / scale for m in mem], where="post", color="black",
                     label="requested")
-        bottom.step(ts, [m[2] / GiB for m in mem], where="post", color="#ff7f0e",
+        bottom.step(ts, [m[2] / scale for m in mem], where="post", color="#ff7f0e",
                     label=f"reserved ({result.allocator})")
-    bottom.axhline(tl["budget"] / GiB, color="#9467bd", linestyle="--", label="budget")
-    bottom.axhline(tl["capacity"] / GiB, color="grey", linestyle=":", label="capacity")
-    bottom.set_ylabel("GiB")
+    bottom.axhline(tl["budget"] / scale, color="#9467bd", linestyle="--", label="budget")
+    bottom.axhline(tl["capacity"] / scale, color="grey", linestyle=":", label="capacity")
+    bottom.set_ylabel(unit)
     bottom.set_xlabel("seconds")
     bottom.legend(loc="upper right", fontsize="small")
     t = tl.get("iteration_seconds") or 0

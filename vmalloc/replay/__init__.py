@@ -12,7 +12,7 @@ trace (found by bisection, each probe a full replay on a fresh device).
 """
 
 from vmalloc import allocator_kinds
-from vmalloc._replay import Replay
+from vmalloc.replay._replay import Replay
 from vmalloc.allocator_kinds import make_allocator
 from vmalloc.errors import InvalidArgumentError
 from vmalloc.replay.capacity import MAX_PROBES, _bisect, min_capacity

@@ -6,7 +6,7 @@ from typing import Optional
 
 import numpy as np
 
-from vmalloc.stats import Stats
+from vmalloc._core.stats import Stats
 
 
 @dataclass(frozen=True)

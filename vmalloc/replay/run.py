@@ -6,7 +6,7 @@ import time
 
 from vmalloc import allocator_kinds
 from vmalloc.allocator_kinds import accounting_device, make_allocator
-from vmalloc._replay import Replay
+from vmalloc.replay._replay import Replay
 from vmalloc.replay.progress import _Progress
 from vmalloc.replay.result import ReplayResult, Timeline
 from vmalloc.replay.source import _source

@@ -157,7 +157,7 @@ class DriverEmulator:
 
     def leak_report(self, ordinal=None):
         """Every resource still alive on device ``ordinal`` (all devices if None), one line
-        each, e.g. ``"device 0: physical allocation handle 3 of 2097152 bytes (2.00 MiB) not
+        each, e.g. ``"device 0: physical allocation handle 3 of 2.00 MiB (2097152 bytes) not
         released (cuMemRelease)"``; ``""`` when nothing leaked."""
         index = -1 if ordinal is None else int(ordinal)
         size = self.lib.vmallocEmulatorLeakReport(index, None, 0)

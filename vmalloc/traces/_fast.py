@@ -1,5 +1,5 @@
 """The fast path of the text readers (RMM CSV, Kineto JSON): parsing and normalization in C++
-(``src/trace/rmm_csv.cpp``, ``kineto_scanner.cpp``, ``normalizer.cpp`` through ``vmalloc._trace_parse``), with the Python readers as the
+(``src/trace/rmm_csv.cpp``, ``kineto_scanner.cpp``, ``normalizer.cpp`` through ``vmalloc.traces._trace_parse``), with the Python readers as the
 reference. PyTorch snapshots are read by a restricted unpickler in C++ (:func:`snapshot`) and
 their records normalized by the same C++ pass.
 
@@ -33,7 +33,7 @@ from vmalloc.traces._record_reader import RecordReaderPass
 from vmalloc.traces.events import BATCH_EVENTS, EVENT_DTYPE
 
 try:
-    from vmalloc import _trace_parse
+    from vmalloc.traces import _trace_parse
 except ImportError:  # a build without the extension: the Python readers alone
     _trace_parse = None
 

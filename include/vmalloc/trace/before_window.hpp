@@ -1,5 +1,5 @@
 // The scan of raw records for memory allocated before a trace's window (the Kineto device
-// count runs it on every device as it reads), for vmalloc/_trace_parse.pyx.
+// count runs it on every device as it reads), for vmalloc/traces/_trace_parse.pyx.
 #pragma once
 
 #include <cstddef>

@@ -1,5 +1,5 @@
 // A restricted unpickler for plain data (pickle protocols 2 to 5), for the PyTorch snapshot
-// reader (vmalloc/traces/torch_snapshot.py through vmalloc/_trace_parse.pyx).
+// reader (vmalloc/traces/torch_snapshot.py through vmalloc/traces/_trace_parse.pyx).
 //
 // It walks the opcode stream once, fed in blocks, and builds a compact tree of values (no
 // Python objects): None, bools, ints, floats, str, bytes, bytearray, and lists, tuples, dicts,

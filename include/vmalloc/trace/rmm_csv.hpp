@@ -1,4 +1,4 @@
-// The C++ reader of RMM logging CSVs, for vmalloc/_trace_parse.pyx.
+// The C++ reader of RMM logging CSVs, for vmalloc/traces/_trace_parse.pyx.
 //
 // The parsers are streaming: feed() takes blocks of the (decompressed, BOM-stripped) file and
 // appends raw records (op, stream, addr, size) to `out`, holding at most one incomplete line or

@@ -1,5 +1,5 @@
 // A PyTorch memory snapshot read from its pickle (PickleReader) in C++, for
-// vmalloc/traces/torch_snapshot.py's TorchSnapshotReader through vmalloc/_trace_parse.pyx.
+// vmalloc/traces/torch_snapshot.py's TorchSnapshotReader through vmalloc/traces/_trace_parse.pyx.
 //
 // build() compacts the pickle's tree into what the reader uses (every device's history as
 // (action, addr, size, stream) and the segments' live blocks), so the tree can be released;

@@ -65,7 +65,7 @@ class Runtime(Residency, Recording, Following, Divergence, Recomputation):
     def __init__(self, allocator, budget=None, scheduler="window", window=None, stream=0,
                  host_compute=None, host_capacity=None, swap=None, persistent="auto",
                  strict=False, recompute=False, gpu=None):
-        from vmalloc._host_device import HostDevice
+        from vmalloc._core.host_device import HostDevice
 
         if allocator is None and swap is None:
             raise InvalidArgumentError("a Runtime needs an allocator (or, for memory the "

@@ -1,8 +1,0 @@
-# CachingAllocator, the wrapper of vmalloc::CachingAllocator
-# (vmalloc/_lib/alloc/caching_allocator.pxd).
-from vmalloc._allocator cimport Allocator
-from vmalloc._lib.alloc.caching_allocator cimport CCachingAllocator
-
-
-cdef class CachingAllocator(Allocator):
-    cdef CCachingAllocator* caching(self) except NULL

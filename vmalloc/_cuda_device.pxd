@@ -1,7 +1,0 @@
-# CudaDevice, the wrapper of vmalloc::CudaDevice (vmalloc/_lib/device/cuda_device.pxd).
-from vmalloc._device cimport Device
-from vmalloc._lib.device.cuda_device cimport CCudaDevice
-
-
-cdef class CudaDevice(Device):
-    cdef CCudaDevice* cuda(self) except NULL
