@@ -45,7 +45,8 @@ struct JsonText {
   // (every JSON token starts above ' '). Any other byte <= ' ' (a control byte) also ends a
   // gap; the caller, expecting a token there, refuses it. An indented trace is half
   // whitespace, in runs of a newline and an indent: sixteen bytes are classified at a time
-  // (a run of 1-4 bytes costs as much byte by byte, but with a mispredicted loop exit).
+  // (for runs of 1-4 bytes about as many instructions as byte by byte, with no loop exit
+  // that depends on the run's length).
   Scan ws(std::size_t& p) const {
     if (p < n && static_cast<unsigned char>(d[p]) > ' ') return Scan::ok;
     // One space, as after a member's colon.
