@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "vmalloc/trace/before_window.hpp"
+#include "vmalloc/trace/detail/json_tokens.hpp"
 #include "vmalloc/trace/detail/records.hpp"
 
 namespace vmalloc::trace_parse {
@@ -27,7 +28,7 @@ class KinetoScanner {
   // device is scanned for memory live before the window (device_scans), so that the pass
   // that follows for one device needs no scan of its own.
   static constexpr std::int64_t count_devices = INT64_MIN;
-  struct Field;        // a member's value as found (kineto_scanner.cpp)
+  struct Field;        // a member's value as found (kineto_events.cpp)
   struct EventFields;  // the members of an event the reader looks at
   KinetoScanner(std::int64_t want_type, std::int64_t want_id);
   bool feed(const char* data, std::size_t n, Events& out);
@@ -75,36 +76,30 @@ class KinetoScanner {
   bool kept_dropped = false;
 
  private:
-  enum class R { ok, more, bail };
+  // The scanner in two parts: the streaming driver and the top-level members
+  // (kineto_scanner.cpp), the trace events (kineto_events.cpp); the tokens are JsonText's.
+  using R = detail::Scan;
   VMALLOC_TRACE_PARSE_INTERNAL R run(Events& out);
-  VMALLOC_TRACE_PARSE_INTERNAL R ws(std::size_t& p);
-  VMALLOC_TRACE_PARSE_INTERNAL R value(std::size_t& p, int depth);
-  VMALLOC_TRACE_PARSE_INTERNAL R string(std::size_t& p, bool& escaped);
-  VMALLOC_TRACE_PARSE_INTERNAL R string_rest(std::size_t& p, bool& escaped);  // the general case
-  VMALLOC_TRACE_PARSE_INTERNAL R number(std::size_t& p, bool& integer);
-  VMALLOC_TRACE_PARSE_INTERNAL R literal(std::size_t& p, const char* word, std::size_t len);
+  VMALLOC_TRACE_PARSE_INTERNAL R member(std::size_t& p);
   VMALLOC_TRACE_PARSE_INTERNAL R field(std::size_t& p, Field& f, int depth);
   VMALLOC_TRACE_PARSE_INTERNAL R args_members(std::size_t& p, EventFields& ev);
   VMALLOC_TRACE_PARSE_INTERNAL R event(std::size_t& p, Events& out);
   VMALLOC_TRACE_PARSE_INTERNAL void count_event(const EventFields& ev, DeviceScan& d);
   VMALLOC_TRACE_PARSE_INTERNAL R device_event(const EventFields& ev, Events& out);
-  VMALLOC_TRACE_PARSE_INTERNAL R member(std::size_t& p);
   VMALLOC_TRACE_PARSE_INTERNAL std::size_t count_device(std::int64_t type, std::int64_t id);
   VMALLOC_TRACE_PARSE_INTERNAL void drop_kept();
 
   void view(const std::string& s) {
-    d_ = s.data();
-    n_ = s.size();
+    t_.d = s.data();
+    t_.n = s.size();
   }
   // How much of a block is first added to a cut event (most events are far shorter).
   static constexpr std::size_t stitch_bytes = 16384;
 
   std::int64_t want_type_, want_id_;
   std::string buf_;  // the unparsed tail of the blocks so far (a cut event), and its stitching
-  const char* d_ = nullptr;  // the text parsed: buf_ or the caller's block
-  std::size_t n_ = 0;
-  std::size_t pos_ = 0;  // in d_
-  bool eof_ = false;
+  detail::JsonText t_;  // the text parsed: buf_ or the caller's block (eof: the last)
+  std::size_t pos_ = 0;  // in t_
   int state_ = 0;
   bool in_object_ = false;
   bool found_events_ = false;
