@@ -11,6 +11,7 @@ from typing import Dict, Iterable, List, Optional
 
 from vmalloc.errors import InvalidArgumentError
 from vmalloc.offload.runtime.buffers import Buffer, FunctionPointers, Residency
+from vmalloc.offload.runtime.compression import Compression
 from vmalloc.offload.runtime.divergence import Divergence
 from vmalloc.offload.runtime.following import Following
 from vmalloc.offload.runtime.recording import BudgetWarning, Recording
@@ -28,7 +29,7 @@ STATS_KEYS = (
     "pinned_bytes", "schedule_error", "swapped_out_bytes", "swapped_in_bytes", "swap")
 
 
-class Runtime(Residency, Recording, Following, Divergence):
+class Runtime(Compression, Residency, Recording, Following, Divergence):
     """Runs a training program out of core under a device-memory budget.
 
     Args:
@@ -52,11 +53,14 @@ class Runtime(Residency, Recording, Following, Divergence):
             ``"auto"`` (default: resident if that schedule fits the budget, else swap).
         strict: raise :class:`~vmalloc.offload.ScheduleError` when no schedule fits the
             budget, instead of warning once and running on demand.
+        compress: None (default: lossless), ``"fp16"`` or ``"bf16"``: float32 transient
+            buffers are swapped in that format, half the bytes on the link, and read back
+            cast to float32 (lossy; see docs/runtime.rst).
     """
 
     def __init__(self, allocator, budget=None, scheduler="window", window=None, stream=0,
                  host_compute=None, host_capacity=None, swap=None, persistent="auto",
-                 strict=False):
+                 strict=False, compress=None):
         from vmalloc._host_device import HostDevice
 
         if allocator is None and swap is None:
@@ -142,6 +146,7 @@ class Runtime(Residency, Recording, Following, Divergence):
         self.at_boundary = None
         #: Why the program last departed from the record (None if it never did).
         self.last_divergence = None
+        self._init_compression(compress)
 
     # --- iterations --------------------------------------------------------------------------
     @property
@@ -344,6 +349,7 @@ class Runtime(Residency, Recording, Following, Divergence):
         out["swap"] = swap
         out["swapped_out_bytes"] = swap.get("bytes_swapped_out", 0)
         out["swapped_in_bytes"] = swap.get("bytes_swapped_in", 0)
+        out.update(self._compression_stats(swap))
         return out
 
     # Private spellings kept for callers written before the protocol.

@@ -1,0 +1,191 @@
+"""Compressed swaps executed by the runtime (issue 16 item 3): float32 transient buffers swapped
+as fp16 / bf16, half the bytes on the link, cast back on the way in; opt-in, and the default
+path unchanged (bit-identical)."""
+
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import vmalloc
+from vmalloc.errors import InvalidArgumentError
+from vmalloc.offload import numpy_training
+from vmalloc.offload.runtime import Runtime
+from vmalloc.offload.runtime.compression import (dtype_name, from_half_bits, round_trip,
+                                                 to_half_bits)
+from vmalloc.offload.schedule import Schedule
+
+MiB = 1 << 20
+
+
+def bf16_reference(x):
+    """bf16 of a float32, written out: round to nearest, ties to even, on the bits."""
+    (u,) = struct.unpack("<I", struct.pack("<f", x))
+    if x != x:
+        return (u >> 16) | 0x40
+    low = u & 0xFFFF
+    hi = u >> 16
+    if low > 0x8000 or (low == 0x8000 and hi & 1):
+        hi += 1
+    return hi
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 0xFFFFFFFF))
+def test_bf16_is_round_to_nearest_even_on_any_bits(bits):
+    a = np.array([bits], np.uint32).view(np.float32)
+    got = int(to_half_bits(a, "bf16")[0])
+    assert got == bf16_reference(float(a[0]))
+    back = from_half_bits(np.array([got], np.uint16), "bf16")
+    assert back.view(np.uint32)[0] == got << 16
+
+
+def test_casts_exact_values():
+    a = np.array([1.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, -2.5, 65504.0, 70000.0, np.inf, np.nan,
+                  1e-8], np.float32)
+    bf = round_trip(a, "bf16")
+    # 1 + 2^-8 is a tie: to even (1.0); 1 + 3*2^-8 rounds up to 1 + 2^-6
+    assert bf[:4].tolist() == [1.0, 1.0, 1 + 2 ** -6, -2.5]
+    assert np.isinf(bf[6]) and np.isnan(bf[7])
+    fp = round_trip(a, "fp16")
+    # fp16 has 10 fraction bits: 1 + 2^-8 and 1 + 3*2^-8 are exact; 1e-8 underflows to 0
+    assert fp[:5].tolist() == [1.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, -2.5, 65504.0]
+    assert np.isinf(fp[5]) and np.isinf(fp[6]) and np.isnan(fp[7]) and fp[8] == 0.0
+
+
+def test_bf16_matches_pytorch():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    a = np.concatenate([rng.standard_normal(4096).astype(np.float32) * 1e3,
+                        rng.integers(0, 2 ** 32, 4096, dtype=np.uint64).astype(
+                            np.uint32).view(np.float32)])
+    a = a[~np.isnan(a)]
+    ours = to_half_bits(a, "bf16")
+    theirs = torch.from_numpy(a.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(
+        np.uint16)
+    assert np.array_equal(ours, theirs)
+
+
+def test_dtype_names():
+    assert dtype_name(np.float32) == dtype_name(np.dtype("float32")) == "float32"
+    assert dtype_name("float32") == dtype_name("torch.float32") == "float32"
+    assert dtype_name(None) is None
+
+
+def runtime(budget="8MiB", **kw):
+    dev = vmalloc.HostDevice(capacity="32MiB", granularity="2MiB")
+    return Runtime(vmalloc.VirtualAllocator(dev, chunk_size="2MiB"), budget=budget, **kw)
+
+
+def view(ptrs, buf, dtype=np.float32):
+    return numpy_training.view(ptrs, buf, (buf.nbytes // np.dtype(dtype).itemsize,), dtype)
+
+
+def test_bad_compression_is_refused():
+    with pytest.raises(InvalidArgumentError, match="compress must be"):
+        runtime(compress="int8")
+    assert runtime().stats()["compression"] is None
+
+
+def test_eviction_swaps_float32_compressed_and_other_dtypes_lossless():
+    rt = runtime(budget=8 * MiB, compress="bf16", scheduler="none")
+    rng = np.random.default_rng(0)
+    vals = rng.standard_normal(MiB).astype(np.float32)            # 4 MiB
+    ints = rng.integers(-2 ** 40, 2 ** 40, MiB // 2, dtype=np.int64)   # 4 MiB
+    with rt.iteration():
+        f = rt.allocate(4 * MiB, dtype=np.float32)
+        i = rt.allocate(4 * MiB, dtype="int64")
+        with rt.function(writes=[f, i]) as p:
+            view(p, f)[...] = vals
+            view(p, i, np.int64)[...] = ints
+        big = rt.allocate(8 * MiB, dtype=np.float32)   # evicts both
+        assert f.state == "on_host" and i.state == "on_host"
+        s = rt.stats()
+        assert s["compressed_swap_outs"] == 1
+        assert s["swapped_out_bytes"] == 2 * MiB + 4 * MiB    # f at half its bytes, i whole
+        rt.deallocate(big)
+        with rt.function(reads=[f, i]) as p:
+            assert np.array_equal(view(p, f), round_trip(vals, "bf16"))   # cast back
+            assert not np.array_equal(view(p, f), vals)                      # (lossy)
+            assert np.array_equal(view(p, i, np.int64), ints)
+        s = rt.stats()
+        assert s["compressed_swap_ins"] == 1
+        assert s["swapped_in_bytes"] == 2 * MiB + 4 * MiB
+        assert s["peak_device_bytes"] <= 8 * MiB
+        rt.deallocate(f)
+        rt.deallocate(i)
+
+
+def test_persistent_and_mixed_buffers_are_never_compressed():
+    rt = runtime(budget=8 * MiB, compress="fp16", scheduler="none")
+    w = rt.allocate(4 * MiB, dtype=np.float32)      # persistent
+    vals = np.arange(MiB, dtype=np.float32) * np.float32(1.0001)
+    with rt.function(writes=[w]) as p:
+        view(p, w)[...] = vals
+    with rt.iteration():
+        m = rt.allocate(4 * MiB, dtype=np.float32)
+        rt.note_dtype(m, np.int32)                    # also viewed as int32: never compressed
+        assert m.dtype == "mixed"
+        with rt.function(writes=[m]) as p:
+            view(p, m)[...] = vals
+        big = rt.allocate(8 * MiB)
+        rt.deallocate(big)
+        with rt.function(reads=[w, m]) as p:
+            assert np.array_equal(view(p, w), vals) and np.array_equal(view(p, m), vals)
+        rt.deallocate(m)
+    assert rt.stats()["compressed_swap_outs"] == 0
+
+
+def test_a_schedule_that_compresses_a_non_float32_buffer_is_refused():
+    class Compressing:
+        def schedule(self, seq):
+            from vmalloc.offload.schedulers import make_scheduler
+            s = make_scheduler("none").schedule(seq)
+            s.compressed = frozenset(v.id for v in seq.variables if not v.persistent)
+            return s
+    rt = runtime(compress="fp16", scheduler=Compressing())
+    with pytest.raises(InvalidArgumentError, match="not float32 transient"):
+        with rt.iteration():
+            a = rt.allocate(MiB, dtype=np.float32)
+            b = rt.allocate(MiB, dtype=np.int64)
+            with rt.function(writes=[a, b]):
+                pass
+            rt.deallocate(a)
+            rt.deallocate(b)
+    assert rt.schedule is None and not rt.in_iteration
+    with rt.iteration():      # still usable (on demand)
+        a = rt.allocate(MiB, dtype=np.float32)
+        rt.deallocate(a)
+
+
+def test_the_schedule_compresses_exactly_the_float32_transients():
+    rt = runtime(budget=12 * MiB, compress="fp16")
+    res = numpy_training.train(rt, network="mlp", batch=512, steps=2,
+                               sizes=(1024, 1024, 1024, 10))
+    sched = rt.schedule
+    assert sched is not None and sched.compression == "fp16"
+    seq = rt.sequence
+    transients = {v.id for v in seq.variables if not v.persistent}
+    # everything but the int64 labels (one per iteration)
+    assert sched.compressed and sched.compressed < transients
+    assert len(transients - sched.compressed) == 1
+    assert res.stats["compressed_swap_outs"] > 0
+
+
+def test_compress_none_is_bit_identical_and_compressed_runs_deviate_boundedly():
+    # 20 steps of the CNN at half its in-core peak: lossless is bit-identical; fp16 and bf16
+    # move fewer bytes and deviate by at most these bounds (measured: see docs/benchmarks.md).
+    plain = numpy_training.compare("cnn", steps=20)
+    assert plain["identical"] and plain["deviation"]["max_abs"] == 0.0
+    assert plain["stats"]["compressed_swap_outs"] == 0
+    for fmt, bound in (("fp16", 1e-3), ("bf16", 1e-2)):
+        r = numpy_training.compare("cnn", steps=20, compress=fmt)
+        s = r["stats"]
+        assert s["compressed_swap_outs"] > 0 and s["compression"] == fmt
+        assert s["swapped_out_bytes"] < plain["stats"]["swapped_out_bytes"]
+        assert r["in_core_losses"] == plain["in_core_losses"]
+        d = r["deviation"]
+        assert 0 < d["max_rel"] <= bound, d
+        assert s["peak_device_bytes"] <= s["budget_bytes"]
