@@ -2,6 +2,7 @@
 as fp16 / bf16, half the bytes on the link, cast back on the way in; opt-in, and the default
 path unchanged (bit-identical)."""
 
+import ctypes
 import struct
 
 import numpy as np
@@ -89,6 +90,15 @@ def test_bad_compression_is_refused():
     assert runtime().stats()["compression"] is None
 
 
+def test_a_backend_that_cannot_compress_is_refused():
+    class Lossless:     # a swap backend with the SwapManager's methods, no compressed swap
+        def stats(self):
+            return {}
+    with pytest.raises(InvalidArgumentError, match="cannot compress"):
+        Runtime(None, swap=Lossless(), compress="bf16")
+    Runtime(None, swap=Lossless())      # lossless: fine
+
+
 def test_eviction_swaps_float32_compressed_and_other_dtypes_lossless():
     rt = runtime(budget=8 * MiB, compress="bf16", scheduler="none")
     rng = np.random.default_rng(0)
@@ -174,18 +184,135 @@ def test_the_schedule_compresses_exactly_the_float32_transients():
     assert res.stats["compressed_swap_outs"] > 0
 
 
+SMALL = dict(network="mlp", batch=256, sizes=(512, 512, 512, 10), lr=0.01)
+
+
 def test_compress_none_is_bit_identical_and_compressed_runs_deviate_boundedly():
-    # 20 steps of the CNN at half its in-core peak: lossless is bit-identical; fp16 and bf16
-    # move fewer bytes and deviate by at most these bounds (measured: see docs/benchmarks.md).
-    plain = numpy_training.compare("cnn", steps=20)
-    assert plain["identical"] and plain["deviation"]["max_abs"] == 0.0
-    assert plain["stats"]["compressed_swap_outs"] == 0
-    for fmt, bound in (("fp16", 1e-3), ("bf16", 1e-2)):
-        r = numpy_training.compare("cnn", steps=20, compress=fmt)
-        s = r["stats"]
+    # 20 steps of a small MLP, out of core at a 4 MiB budget (a third of its in-core peak).
+    # Lossless: bit-identical to in core. fp16 and bf16: fewer bytes out, the same peak (the
+    # cast is in place), and losses within bounds of the in-core ones. Measured (NumPy, this
+    # CPU): fp16 loss max_rel 1.22e-5, weights max_rel 4.33e-4; bf16 9.95e-6 and 5.06e-4.
+    # The bounds are about 10x those: a wrong cast (a buffer read back as zeros, or in the
+    # other format) moves the losses by far more.
+    ref = numpy_training.train(runtime(budget=None, scheduler="none"), steps=20, **SMALL)
+    plain = numpy_training.train(runtime(budget=4 * MiB), steps=20, **SMALL)
+    assert plain.losses == ref.losses and plain.weights == ref.weights
+    assert plain.stats["compressed_swap_outs"] == 0 and plain.stats["swapped_out_bytes"] > 0
+    for fmt in ("fp16", "bf16"):
+        out = numpy_training.train(runtime(budget=4 * MiB, compress=fmt), steps=20, **SMALL)
+        s = out.stats
         assert s["compressed_swap_outs"] > 0 and s["compression"] == fmt
-        assert s["swapped_out_bytes"] < plain["stats"]["swapped_out_bytes"]
-        assert r["in_core_losses"] == plain["in_core_losses"]
-        d = r["deviation"]
-        assert 0 < d["max_rel"] <= bound, d
-        assert s["peak_device_bytes"] <= s["budget_bytes"]
+        assert s["swapped_out_bytes"] < plain.stats["swapped_out_bytes"]
+        assert s["peak_device_bytes"] == plain.stats["peak_device_bytes"]   # no scratch
+        d = numpy_training.deviation(ref, out)
+        assert 0 < d["max_rel"] <= 1e-4, d
+        assert 0 < d["weight_max_rel"] <= 5e-3, d
+
+
+def torch_run(compress=None, budget="2MiB"):
+    """4 steps of a small MLP under out_of_core's poison backend: (losses, stats)."""
+    import torch
+
+    import vmalloc.torch as vtorch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.ReLU(),
+                                torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                                torch.nn.Linear(512, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    with vtorch.out_of_core(budget=budget, backend="poison", device="cpu",
+                            compress=compress) as ooc:
+        for _ in range(4):
+            x = torch.randn(128, 128, generator=g)
+            loss = torch.nn.functional.cross_entropy(model(x), x[:, :10].argmax(1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return losses, ooc.stats()
+
+
+def test_torch_poison_backend_compresses_float32_storages():
+    pytest.importorskip("torch")
+    ref, _ = torch_run(budget=None)
+    plain, ps = torch_run()
+    assert plain == ref and ps["compressed_swap_outs"] == 0
+    # measured largest relative loss deviations: fp16 1.45e-6, bf16 1.07e-4 (bounds ~10x)
+    for fmt, bound in (("fp16", 2e-5), ("bf16", 1e-3)):
+        losses, s = torch_run(fmt)
+        assert s["compressed_swap_outs"] > 0 and s["compressed_swap_ins"] > 0
+        assert s["swapped_out_bytes"] < ps["swapped_out_bytes"]
+        assert losses != ref
+        assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref)) < bound
+
+
+@pytest.mark.filterwarnings("ignore::vmalloc.offload.BudgetWarning")   # scheduler "none"
+@settings(max_examples=40, deadline=None)
+@given(kind=st.sampled_from(["virtual", "caching"]), fmt=st.sampled_from(["fp16", "bf16"]),
+       ops=st.lists(st.tuples(st.sampled_from(["alloc32", "alloc64", "evict", "read", "free",
+                                               "forget"]),
+                              st.integers(0, 7), st.integers(1, 3)), max_size=25))
+def test_any_swaps_read_back_the_values_or_their_cast(kind, fmt, ops):
+    """Model: a float32 buffer reads its values, or their round trip once any of its swap-outs
+    was compressed; every other buffer reads its exact bytes."""
+    dev = vmalloc.HostDevice(capacity="32MiB", granularity="2MiB")
+    alloc = (vmalloc.VirtualAllocator(dev, chunk_size="2MiB") if kind == "virtual"
+             else vmalloc.CachingAllocator(dev))
+    rt = Runtime(alloc, budget=8 * MiB, scheduler="none", compress=fmt)
+    rng = np.random.default_rng(len(ops))
+    live = []     # [buffer, values, dtype, compressed ever]
+
+    def note():
+        for entry in live:
+            b = entry[0]
+            if b.state in ("on_host", "swapping_out") and rt.swap.compressed(b.key):
+                entry[3] = True
+
+    def check(entry):
+        b, vals, dt, comp = entry
+        with rt.function(reads=[b]) as p:
+            got = view(p, b, dt)
+            want = round_trip(vals, fmt) if comp else vals
+            assert np.array_equal(got, want, equal_nan=dt == np.float32)
+
+    rt.begin_iteration()
+    for op, k, size in ops:
+        if op.startswith("alloc"):
+            dt = np.float32 if op == "alloc32" else np.int64
+            n = size * MiB
+            b = rt.allocate(n, dtype=dt)
+            vals = (rng.standard_normal(n // 4).astype(np.float32) if dt == np.float32
+                    else rng.integers(-2 ** 50, 2 ** 50, n // 8, dtype=np.int64))
+            with rt.function(writes=[b]) as p:
+                view(p, b, dt)[...] = vals
+            live.append([b, vals, dt, False])
+        elif op == "evict":
+            rt.make_room(size * 3 * MiB)
+        elif live:
+            entry = live[k % len(live)]
+            if op == "read":
+                check(entry)
+            elif op == "free":
+                rt.deallocate(entry[0])
+                live.remove(entry)
+            else:   # forget (not freed): the bytes come back first
+                b = entry[0]
+                note()
+                ptr = b.ptr if b.state == "resident" else None
+                rt.forget(b)
+                live.remove(entry)
+                if ptr is None:
+                    ptr = b.ptr
+                raw = (np.ctypeslib.as_array((ctypes.c_char * b.nbytes).from_address(ptr))
+                       .view(entry[2]))
+                want = round_trip(entry[1], fmt) if entry[3] else entry[1]
+                assert np.array_equal(raw, want)
+                rt.swap.deallocate(ptr)
+        note()
+    for entry in list(live):
+        check(entry)
+        rt.deallocate(entry[0])
+    rt.end_iteration()
+    assert rt.stats()["device_bytes"] == 0
+    assert rt.stats()["compressed_swap_outs"] >= sum(e[3] for e in live)
