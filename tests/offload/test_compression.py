@@ -316,3 +316,19 @@ def test_any_swaps_read_back_the_values_or_their_cast(kind, fmt, ops):
     rt.end_iteration()
     assert rt.stats()["device_bytes"] == 0
     assert rt.stats()["compressed_swap_outs"] >= sum(e[3] for e in live)
+
+
+def test_vmalloc_offload_train_compress(capsys):
+    import json
+
+    from vmalloc.cli import main
+
+    assert main(["offload", "train", "--network", "cnn", "--steps", "2", "--compress", "bf16",
+                 "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["compress"] == "bf16" and r["stats"]["compressed_swap_outs"] > 0
+    assert set(r["deviation"]) == {"max_abs", "mean_abs", "max_rel", "mean_rel",
+                                   "weight_max_abs", "weight_max_rel"}
+    assert main(["offload", "train", "--network", "cnn", "--steps", "2", "--compress",
+                 "fp16"]) == 0
+    assert "fp16 swaps: " in capsys.readouterr().out

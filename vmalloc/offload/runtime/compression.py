@@ -121,6 +121,8 @@ class CompressingSwap:
                             compressed_bytes_out=0, compressed_bytes_in=0)
 
     def __getattr__(self, name):
+        if name.startswith("_") or name == "manager":
+            raise AttributeError(name)      # (never the manager's private state)
         return getattr(self.manager, name)
 
     def swap_out_compressed(self, ptr, nbytes, fmt, stream=0):
@@ -242,7 +244,9 @@ class CompressingSwap:
             for host, _, _ in self._in.values():
                 self.device.synchronize_stream(self._h2d)
                 self.device.host_free(host)
-        except Exception:   # pragma: no cover - interpreter shutdown
+            self.device.destroy_stream(self._d2h)
+            self.device.destroy_stream(self._h2d)
+        except Exception:   # pragma: no cover - interpreter shutdown, a failed __init__
             pass
 
 
