@@ -59,8 +59,9 @@ def torch_runs(steps, batch=256, width=512, budget="4MiB"):
         return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
     g = torch.Generator().manual_seed(1)
-    xs = torch.randn(steps, batch, 256, generator=g)
-    ys = xs[:, :, :10].argmax(dim=2)      # a learnable rule: the losses fall
+    # one tensor per step (views of one big tensor would make every step read all of it)
+    xs = [torch.randn(batch, 256, generator=g) for _ in range(steps)]
+    ys = [x[:, :10].argmax(dim=1) for x in xs]      # a learnable rule: the losses fall
 
     def train(ctx):
         model, opt = make()
