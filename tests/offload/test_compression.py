@@ -315,6 +315,9 @@ def test_any_swaps_read_back_the_values_or_their_cast(kind, fmt, ops):
         rt.deallocate(entry[0])
     rt.end_iteration()
     assert rt.stats()["device_bytes"] == 0
+    assert alloc.stats().live_allocations == 0      # nothing leaked: unbacked ones freed too
+    assert rt.stats()["swap"]["host_bytes_in_use"] == 0
+    assert rt.stats()["swap"]["compressed_host_bytes"] == 0
     assert rt.stats()["compressed_swap_outs"] >= sum(e[3] for e in live)
 
 
@@ -332,3 +335,60 @@ def test_vmalloc_offload_train_compress(capsys):
     assert main(["offload", "train", "--network", "cnn", "--steps", "2", "--compress",
                  "fp16"]) == 0
     assert "fp16 swaps: " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["virtual", "caching"])
+def test_compressing_swap_paths(kind):
+    """The backend alone: out, wait, in, wait; a cancelled swap-out; frees and discards while
+    on host; pointer-stable (virtual chunks) and relocating (caching) allocations."""
+    from vmalloc.offload import SwapManager
+    from vmalloc.offload.runtime.compression import CompressingSwap
+
+    dev = vmalloc.HostDevice(capacity="32MiB", granularity="2MiB")
+    alloc = (vmalloc.VirtualAllocator(dev, chunk_size="2MiB") if kind == "virtual"
+             else vmalloc.CachingAllocator(dev))
+    sw = CompressingSwap(SwapManager(alloc), alloc)
+    vals = (np.arange(MiB, dtype=np.float32) - MiB / 2) / np.float32(977)
+
+    def fresh():
+        p = sw.allocate(4 * MiB)
+        np.ctypeslib.as_array((ctypes.c_float * MiB).from_address(p))[...] = vals
+        return p
+
+    def read(p):
+        return np.ctypeslib.as_array((ctypes.c_float * MiB).from_address(p)).copy()
+
+    p = fresh()
+    k = sw.swap_out_compressed(p, 4 * MiB, "fp16")
+    assert sw.state(k) == "swapping_out" and sw.compressed(k)
+    sw.wait(k)
+    assert sw.state(k) == "on_host"
+    used = dev.physical_bytes_in_use
+    q = sw.swap_in(k)
+    assert sw.state(q) == "swapping_in" and (q == p or kind == "caching")
+    sw.wait(q)
+    assert sw.state(q) == "resident" and np.array_equal(read(q), round_trip(vals, "fp16"))
+    assert dev.physical_bytes_in_use >= used
+    # cancelled: swapped in before the swap-out was waited
+    k = sw.swap_out_compressed(q, 4 * MiB, "bf16")
+    r = sw.swap_in(k)
+    sw.wait(r)
+    assert r == q and np.array_equal(read(r), round_trip(round_trip(vals, "fp16"), "bf16"))
+    sw.deallocate(r)
+    # freed while on host, and discarded (its owner frees the allocation itself)
+    for how in ("free", "discard"):
+        p = fresh()
+        k = sw.swap_out_compressed(p, 4 * MiB, "bf16")
+        sw.wait(k)
+        if how == "free":
+            sw.deallocate(k)
+        else:
+            assert sw.discard(k) is True
+            if kind == "virtual":
+                alloc.deallocate(p)      # still live, unbacked: the owner's to free
+    s = sw.stats()
+    assert s["compressed_swap_outs"] == 4 and s["compressed_swap_ins"] == 2
+    assert s["bytes_swapped_out"] == 4 * 2 * MiB and s["bytes_swapped_in"] == 2 * MiB
+    assert s["compressed_host_bytes"] == 0 and alloc.stats().live_allocations == 0
+    with pytest.raises(InvalidArgumentError, match="multiple of 4"):
+        sw.swap_out_compressed(sw.allocate(6), 6, "fp16")

@@ -234,6 +234,9 @@ class CompressingSwap:
         out["swap_outs"] = out.get("swap_outs", 0) + c["compressed_swap_outs"]
         out["swap_ins"] = out.get("swap_ins", 0) + c["compressed_swap_ins"]
         out.update(c)
+        # pinned host bytes the compressed copies hold now (beside the manager's pool)
+        out["compressed_host_bytes"] = sum(r[1] // 4 * 2 for r in self._out.values()) + sum(
+            f[2] // 4 * 2 for f in self._in.values())
         return out
 
     def __del__(self):
