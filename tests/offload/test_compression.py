@@ -97,6 +97,12 @@ def test_a_backend_that_cannot_compress_is_refused():
     with pytest.raises(InvalidArgumentError, match="cannot compress"):
         Runtime(None, swap=Lossless(), compress="bf16")
     Runtime(None, swap=Lossless())      # lossless: fine
+    pytest.importorskip("torch")
+    from vmalloc.frameworks.torch_swap import CudaSwap
+    from vmalloc.offload import SwapManager
+    alloc = vmalloc.VirtualAllocator(vmalloc.HostDevice(capacity="8MiB"), chunk_size="2MiB")
+    with pytest.raises(InvalidArgumentError, match="CudaSwap cannot compress"):
+        Runtime(alloc, swap=CudaSwap(SwapManager(alloc), alloc), compress="fp16")  # not yet
 
 
 def test_eviction_swaps_float32_compressed_and_other_dtypes_lossless():
