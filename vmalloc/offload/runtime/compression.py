@@ -255,7 +255,7 @@ class CompressingSwap:
 
 class Compression:
     """The compression half of :class:`~vmalloc.offload.Runtime` (a mixin, before
-    ``Residency``: it wraps the swap-out and wait primitives)."""
+    ``Residency``: it wraps the swap-out primitive; the backend casts back on its swap-in)."""
 
     def _init_compression(self, compress):
         if compress is not None and compress not in FORMATS:
