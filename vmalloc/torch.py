@@ -237,7 +237,8 @@ def check_out_of_memory(device=None):
 
 
 def out_of_core(budget=None, scheduler="window", window=None, backend=None, min_bytes=64 << 10,
-                device=None, allocator=None, persistent="auto", strict=False, recompute=False):
+                device=None, allocator=None, persistent="auto", strict=False, recompute=False,
+                compress=None):
     """Out-of-core training of the training steps run inside ``with`` (one call turns it on)::
 
         vmalloc.torch.use_vmalloc(vmalloc.VirtualAllocator(vmalloc.CudaDevice(0)))
@@ -254,13 +255,15 @@ def out_of_core(budget=None, scheduler="window", window=None, backend=None, min_
     in every driver; ``strict=True`` raises when no schedule fits the budget (otherwise that
     is said once, with a warning). ``recompute=True``: storages written by deterministic
     functional ops may be dropped and recomputed (the op re-dispatched) instead of swapped,
-    where that moves fewer bytes (docs/runtime.rst, "Recompute"). Returns the
+    where that moves fewer bytes (docs/runtime.rst, "Recompute"). ``compress="fp16"`` or
+    ``"bf16"`` (opt-in, lossy) swaps float32 activations at half their bytes. Returns the
     :class:`OutOfCore` context manager.
     """
     from vmalloc.frameworks.torch_out_of_core import out_of_core as _out_of_core
     return _out_of_core(budget=budget, scheduler=scheduler, window=window, backend=backend,
                         min_bytes=min_bytes, device=device, allocator=allocator,
-                        persistent=persistent, strict=strict, recompute=recompute)
+                        persistent=persistent, strict=strict, recompute=recompute,
+                        compress=compress)
 
 
 def __getattr__(name):

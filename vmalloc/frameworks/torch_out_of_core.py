@@ -78,11 +78,14 @@ class OutOfCore:
             ``"swap"`` (as in the paper).
         strict: raise when no schedule fits the budget, instead of warning once and running
             on demand.
+        compress: None (default, lossless), ``"fp16"`` or ``"bf16"``: storages seen only as
+            float32 and transient are swapped in that format, cast on the copy side; they
+            read back cast to float32 (lossy, opt-in; see docs/runtime.rst).
     """
 
     def __init__(self, budget=None, scheduler="window", window=None, backend=None,
                  min_bytes=64 << 10, device=None, allocator=None, persistent="auto",
-                 strict=False, recompute=False):
+                 strict=False, recompute=False, compress=None):
         torch = _torch()
         if backend is None:
             backend = "cuda" if torch.cuda.is_available() else "poison"
@@ -118,6 +121,9 @@ class OutOfCore:
         if self._runtime_says:
             options["strict"] = strict
         self.strict = bool(strict)
+        if compress is not None:
+            options["compress"] = compress
+        self.compress = compress
         self.runtime = Runtime(alloc, **options)
         self._storages = Storages(self)
         self._readers = Readers(self)
@@ -307,7 +313,7 @@ class OutOfCore:
         self._make_room(unknown)     # storages that exist already but were never seen
         reads, writes = [], []
         for t, read, written in accessed:
-            buf = storages.buffer(t.untyped_storage())
+            buf = storages.buffer(t.untyped_storage(), dtype=t.dtype)
             if storages.iteration_of(buf) < self._iteration and not buf.persistent:
                 self._promote.append(buf)
             if read and buf not in reads:
@@ -383,8 +389,9 @@ class OutOfCore:
         for t in tensors:
             s = t.untyped_storage()
             if self._storages.known(s) is not None:
+                self._storages.buffer(s, dtype=t.dtype)   # (notes the dtype it is seen as)
                 continue     # an alias of a storage the driver tracks already
-            buf = self._storages.buffer(s)
+            buf = self._storages.buffer(s, dtype=t.dtype)
             if id(buf) not in known:
                 known.add(id(buf))
                 new.append(buf)
@@ -393,7 +400,7 @@ class OutOfCore:
 
 def out_of_core(budget=None, scheduler="window", window=None, backend=None,
                 min_bytes=64 << 10, device=None, allocator=None,
-                persistent="auto", strict=False, recompute=False) -> OutOfCore:
+                persistent="auto", strict=False, recompute=False, compress=None) -> OutOfCore:
     """Turns on out-of-core training for the steps run inside ``with``::
 
         with vmalloc.torch.out_of_core(budget="12GiB") as ooc:
@@ -403,4 +410,5 @@ def out_of_core(budget=None, scheduler="window", window=None, backend=None,
     """
     return OutOfCore(budget=budget, scheduler=scheduler, window=window, backend=backend,
                      min_bytes=min_bytes, device=device, allocator=allocator,
-                     persistent=persistent, strict=strict, recompute=recompute)
+                     persistent=persistent, strict=strict, recompute=recompute,
+                     compress=compress)

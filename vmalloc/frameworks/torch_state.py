@@ -46,11 +46,18 @@ class Storages:
         entry = self.by_ptr.get(buf.ptr)
         return entry[2] if entry is not None and entry[0] is buf else self.driver._iteration
 
-    def buffer(self, storage, persistent=None):
+    def buffer(self, storage, persistent=None, dtype=None):
+        """The buffer of a storage (adopted on first sight). ``dtype``: a dtype the program
+        sees it as, noted under compression (a storage seen as several is never compressed)."""
         ptr, entry = self._entry(storage)
         if entry is not None:
+            if dtype is not None and self.driver.compress is not None:
+                self.driver.runtime.note_dtype(entry[0], dtype)
             return entry[0]
-        buf = self.driver.runtime.adopt(ptr, storage.nbytes(), persistent=persistent)
+        if self.driver.compress is None:
+            dtype = None    # the default path: nothing noted
+        buf = self.driver.runtime.adopt(ptr, storage.nbytes(), persistent=persistent,
+                                        dtype=dtype)
         register = getattr(self.driver.backend, "register", None)
         if register is not None:
             register(ptr, storage)

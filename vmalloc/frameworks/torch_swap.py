@@ -83,6 +83,28 @@ class PoisonSwap:
         self._stats["swap_outs"] += 1
         return ptr
 
+    def swap_out_compressed(self, ptr, nbytes, fmt, stream=0):
+        """A swap-out of a float32 storage as fp16 or bf16 (``fmt``): the host copy is cast
+        on the copy side (half the bytes), the swap-in casts back (``copy_``)."""
+        from torch.utils._python_dispatch import _disable_current_modes
+        if self.state(ptr) != "resident":
+            raise InvalidArgumentError(f"swap_out: {ptr:#x} is {self.state(ptr)}")
+        with _disable_current_modes():
+            view = self._bytes(ptr)
+            if view is None:
+                raise InvalidArgumentError(f"swap_out: the storage at {ptr:#x} was freed")
+            self._host[ptr] = _as_float32(view).to(_half_dtype(fmt))
+            view.fill_(255)
+        self._state[ptr] = "swapping_out"
+        self._stats["bytes_swapped_out"] += self._host[ptr].numel() * 2
+        self._stats["swap_outs"] += 1
+        self._stats["compressed_swap_outs"] = self._stats.get("compressed_swap_outs", 0) + 1
+        return ptr
+
+    def compressed(self, key):
+        host = self._host.get(key)
+        return host is not None and host.dtype != _uint8()
+
     def wait(self, key, stream=0):
         state = self.state(key)
         if state == "swapping_out":
@@ -101,12 +123,18 @@ class PoisonSwap:
             view = self._bytes(key)
             if view is None:
                 raise InvalidArgumentError(f"swap_in: the storage at {key:#x} was freed")
-            view.copy_(self._host.pop(key))
+            host = self._host.pop(key)
+            if host.dtype == view.dtype:
+                view.copy_(host)
+            else:
+                _as_float32(view).copy_(host)   # a compressed copy: cast back
+                self._stats["compressed_swap_ins"] = \
+                    self._stats.get("compressed_swap_ins", 0) + 1
         if state == "swapping_out":
             del self._state[key]      # cancelled: nothing left in flight
         else:
             self._state[key] = "swapping_in"
-            self._stats["bytes_swapped_in"] += view.numel()
+            self._stats["bytes_swapped_in"] += host.numel() * host.element_size()
             self._stats["swap_ins"] += 1
         return key
 
@@ -129,8 +157,29 @@ class PoisonSwap:
 
     def stats(self):
         out = dict(self._stats)
-        out["host_bytes"] = sum(t.numel() for t in self._host.values())
+        out["host_bytes"] = sum(t.numel() * t.element_size() for t in self._host.values())
         return out
+
+
+def _uint8():
+    import torch
+    return torch.uint8
+
+
+def _half_dtype(fmt):
+    import torch
+    if fmt not in ("fp16", "bf16"):
+        raise InvalidArgumentError(f"unknown compression {fmt!r}; choose 'fp16' or 'bf16'")
+    return torch.float16 if fmt == "fp16" else torch.bfloat16
+
+
+def _as_float32(byte_view):
+    """A uint8 tensor over a whole storage, seen as its float32 elements."""
+    import torch
+    if byte_view.numel() % 4:
+        raise InvalidArgumentError(f"a float32 storage has a multiple of 4 bytes, not "
+                                   f"{byte_view.numel()}")
+    return byte_view.view(torch.float32)
 
 
 class CudaSwap:

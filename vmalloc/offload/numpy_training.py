@@ -44,8 +44,8 @@ class _Net:
 
     def param(self, shape, scale):
         rt = self.rt
-        w = rt.allocate(_nbytes(shape))
-        m = rt.allocate(_nbytes(shape))
+        w = rt.allocate(_nbytes(shape), dtype=F32)
+        m = rt.allocate(_nbytes(shape), dtype=F32)
         init = (self.rng.standard_normal(shape) * scale).astype(F32)
         with rt.function(writes=[w, m], name="init") as p:
             view(p, w, shape)[...] = init
@@ -55,7 +55,7 @@ class _Net:
         return w
 
     def tensor(self, shape):
-        buf = self.rt.allocate(_nbytes(shape))
+        buf = self.rt.allocate(_nbytes(shape), dtype=F32)
         self.shapes[buf.id] = shape
         return buf
 
@@ -112,7 +112,7 @@ class MLP(_Net):
     def step(self, x_host, y_host, lr, momentum):
         rt, sizes, batch = self.rt, self.sizes, x_host.shape[0]
         x = self.tensor((batch, sizes[0]))
-        y = rt.allocate(batch * 8)   # int64 labels
+        y = rt.allocate(batch * 8, dtype=np.int64)   # int64 labels
         with rt.function(writes=[x, y], name="load") as p:
             view(p, x, (batch, sizes[0]))[...] = x_host
             view(p, y, (batch,), np.int64)[...] = y_host
@@ -202,7 +202,7 @@ class CNN(_Net):
     def step(self, x_host, y_host, lr, momentum):
         rt, s, ch, batch = self.rt, self.size, self.channels, x_host.shape[0]
         x = self.tensor((batch, s, s, ch[0]))
-        y = rt.allocate(batch * 8)
+        y = rt.allocate(batch * 8, dtype=np.int64)
         with rt.function(writes=[x, y], name="load") as p:
             view(p, x, (batch, s, s, ch[0]))[...] = x_host
             view(p, y, (batch,), np.int64)[...] = y_host
@@ -334,11 +334,14 @@ CONFIGS = {
 }
 
 
-def compare(network="mlp", steps=4, fraction=0.5, allocator="virtual", recompute=False) -> dict:
+def compare(network="mlp", steps=4, fraction=0.5, allocator="virtual", recompute=False,
+            compress=None) -> dict:
     """Trains ``network`` in core, then out of core on a device of ``fraction`` of the in-core
     peak (rounded down to 2 MiB), recomputing instead of swapping where that moves fewer bytes
     if ``recompute``; returns both runs' losses, whether losses and weights are bit-identical,
-    the runtime's statistics and the seconds each run took."""
+    the runtime's statistics and the seconds each run took. ``compress`` (``"fp16"``,
+    ``"bf16"``): the out-of-core run swaps float32 activations compressed (then not
+    bit-identical: ``deviation`` says by how much)."""
     import time
 
     import vmalloc
@@ -350,11 +353,11 @@ def compare(network="mlp", steps=4, fraction=0.5, allocator="virtual", recompute
     kind = allocator_kinds.get(allocator)  # InvalidArgumentError naming the kinds
     config = CONFIGS[network]
 
-    def make(capacity, scheduler, recompute=False):
+    def make(capacity, scheduler, recompute=False, compress=None):
         dev = vmalloc.HostDevice(capacity=capacity, granularity="2MiB")
         # 2 MiB chunks for the virtual kinds: the small networks' tensors are a few MiB.
         alloc = kind.make(dev, **kind.applicable(chunk_size="2MiB"))
-        return Runtime(alloc, scheduler=scheduler, recompute=recompute)
+        return Runtime(alloc, scheduler=scheduler, recompute=recompute, compress=compress)
 
     rt_in = make("4GiB", "none")
     t0 = time.perf_counter()
@@ -362,7 +365,7 @@ def compare(network="mlp", steps=4, fraction=0.5, allocator="virtual", recompute
     in_seconds = time.perf_counter() - t0
     peak = rt_in.stats()["peak_device_bytes"]
     capacity = int(peak * fraction) // (2 << 20) * (2 << 20)
-    rt_out = make(capacity, "window", recompute)
+    rt_out = make(capacity, "window", recompute, compress)
     t0 = time.perf_counter()
     out = train(rt_out, steps=steps, **config)
     out_seconds = time.perf_counter() - t0
@@ -372,4 +375,24 @@ def compare(network="mlp", steps=4, fraction=0.5, allocator="virtual", recompute
                 in_core_peak_bytes=peak, capacity_bytes=capacity, budget_bytes=rt_out.budget,
                 in_core_losses=ref.losses, out_of_core_losses=out.losses,
                 identical=out.losses == ref.losses and out.weights == ref.weights,
+                deviation=deviation(ref, out), compress=compress,
                 in_core_seconds=in_seconds, out_of_core_seconds=out_seconds, stats=stats)
+
+
+def deviation(ref: TrainResult, run: TrainResult) -> dict:
+    """How far ``run``'s losses and final weights are from ``ref``'s: the largest and mean
+    absolute and relative loss differences, and the largest absolute and relative (to the
+    largest reference magnitude, per parameter) final weight differences."""
+    a = np.asarray(ref.losses, np.float64)
+    b = np.asarray(run.losses, np.float64)
+    d = np.abs(b - a)
+    rel = d / np.maximum(np.abs(a), 1e-30)
+    w_abs, w_rel = 0.0, 0.0
+    for wa, wb in zip(ref.weights, run.weights):
+        x = np.frombuffer(wa, F32).astype(np.float64)
+        y = np.frombuffer(wb, F32).astype(np.float64)
+        dw = float(np.abs(y - x).max()) if x.size else 0.0
+        w_abs = max(w_abs, dw)
+        w_rel = max(w_rel, dw / max(float(np.abs(x).max()), 1e-30))
+    return dict(max_abs=float(d.max()), mean_abs=float(d.mean()), max_rel=float(rel.max()),
+                mean_rel=float(rel.mean()), weight_max_abs=w_abs, weight_max_rel=w_rel)

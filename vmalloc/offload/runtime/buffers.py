@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 from vmalloc.errors import InvalidArgumentError, InvalidPointerError, OutOfMemoryError
+from vmalloc.offload.runtime.compression import dtype_name
 from vmalloc.sizes import parse_size
 
 
@@ -18,9 +19,9 @@ class Buffer:
     would differ from the one the framework frees."""
 
     __slots__ = ("id", "nbytes", "footprint", "ptr", "persistent", "var", "alive", "where",
-                 "key", "movable", "_rt")
+                 "key", "movable", "dtype", "_rt")
 
-    def __init__(self, rt, bid, nbytes, ptr, persistent, movable=True):
+    def __init__(self, rt, bid, nbytes, ptr, persistent, movable=True, dtype=None):
         self._rt = rt
         self.id = bid
         self.nbytes = nbytes
@@ -32,6 +33,7 @@ class Buffer:
         self.where = "resident"   # resident, swapping_out, on_host, swapping_in, dropped
         self.key = ptr            # the swap manager's key while out (ptr, or a host handle)
         self.movable = movable
+        self.dtype = dtype        # its elements' dtype as the driver said ("float32"), or None
 
     @property
     def runtime(self):
@@ -70,16 +72,18 @@ class Residency:
     """The residency half of :class:`~vmalloc.offload.Runtime` (a mixin)."""
 
     # --- public: memory ----------------------------------------------------------------------------
-    def allocate(self, nbytes) -> Buffer:
+    def allocate(self, nbytes, dtype=None) -> Buffer:
         """Device memory the runtime may swap. Outside an iteration it is persistent
-        (parameters, optimizer state: allocate once); inside, transient (activations)."""
+        (parameters, optimizer state: allocate once); inside, transient (activations).
+        ``dtype`` (optional): its elements' dtype; only float32 buffers may be compressed."""
         n = parse_size(nbytes, "nbytes")
         if n == 0:
             raise InvalidArgumentError("nbytes must be positive")
         if self._pre_pending:
             self._run_pre_actions()
         ptr = self._allocate_with_eviction(self._footprint(n), n)
-        buf = Buffer(self, self._next_id, n, ptr, persistent=not self._in_iteration)
+        buf = Buffer(self, self._next_id, n, ptr, persistent=not self._in_iteration,
+                     dtype=dtype_name(dtype))
         self._next_id += 1
         self._buffers[buf.id] = buf
         self._track(buf)
@@ -87,12 +91,14 @@ class Residency:
             self._note_transient(buf)
         return buf
 
-    def adopt(self, ptr: int, nbytes, persistent: Optional[bool] = None) -> Buffer:
+    def adopt(self, ptr: int, nbytes, persistent: Optional[bool] = None,
+              dtype=None) -> Buffer:
         """A buffer for memory the framework allocated itself (a PyTorch storage). Inside an
         iteration it is transient unless ``persistent`` says otherwise; the framework frees
         it, and calls :meth:`forget` once it has. Memory the runtime does not own is never
         relocated: where a swap would move it (caching, packed, small blocks) the buffer is
-        tracked but stays resident (``movable`` False; ``stats()["pinned_bytes"]``)."""
+        tracked but stays resident (``movable`` False; ``stats()["pinned_bytes"]``).
+        ``dtype``: as for :meth:`allocate`."""
         n = parse_size(nbytes, "nbytes")
         if persistent is None:
             persistent = not self._in_iteration
@@ -101,7 +107,8 @@ class Residency:
         except InvalidPointerError as error:
             raise InvalidPointerError(f"adopt: {ptr:#x} is not a live allocation of the "
                                       f"runtime's allocator ({error})") from error
-        buf = Buffer(self, self._next_id, n, ptr, persistent=bool(persistent), movable=movable)
+        buf = Buffer(self, self._next_id, n, ptr, persistent=bool(persistent), movable=movable,
+                     dtype=dtype_name(dtype))
         self._next_id += 1
         self._buffers[buf.id] = buf
         self._track(buf)

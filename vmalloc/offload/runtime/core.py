@@ -11,6 +11,7 @@ from typing import Dict, Iterable, List, Optional
 
 from vmalloc.errors import InvalidArgumentError
 from vmalloc.offload.runtime.buffers import Buffer, FunctionPointers, Residency
+from vmalloc.offload.runtime.compression import Compression
 from vmalloc.offload.runtime.divergence import Divergence
 from vmalloc.offload.runtime.following import Following
 from vmalloc.offload.runtime.recompute import Recomputation, init_recompute_state
@@ -30,7 +31,7 @@ STATS_KEYS = (
     "recomputed_functions", "recompute_drops")
 
 
-class Runtime(Residency, Recording, Following, Divergence, Recomputation):
+class Runtime(Compression, Residency, Recording, Following, Divergence, Recomputation):
     """Runs a training program out of core under a device-memory budget.
 
     Args:
@@ -60,11 +61,14 @@ class Runtime(Residency, Recording, Following, Divergence, Recomputation):
             budget and moves fewer bytes (docs/runtime.rst, "Recompute").
         gpu: the GPU model (:mod:`vmalloc.offload.gpus`) whose link and compute times decide
             what is worth recomputing (default ``"v100-16gb"``, the paper's).
+        compress: None (default: lossless), ``"fp16"`` or ``"bf16"``: float32 transient
+            buffers are swapped in that format, half the bytes on the link, and read back
+            cast to float32 (lossy; see docs/runtime.rst).
     """
 
     def __init__(self, allocator, budget=None, scheduler="window", window=None, stream=0,
                  host_compute=None, host_capacity=None, swap=None, persistent="auto",
-                 strict=False, recompute=False, gpu=None):
+                 strict=False, recompute=False, gpu=None, compress=None):
         from vmalloc._core.host_device import HostDevice
 
         if allocator is None and swap is None:
@@ -151,6 +155,7 @@ class Runtime(Residency, Recording, Following, Divergence, Recomputation):
         self.at_boundary = None
         #: Why the program last departed from the record (None if it never did).
         self.last_divergence = None
+        self._init_compression(compress)
 
     # --- iterations --------------------------------------------------------------------------
     @property
@@ -395,6 +400,7 @@ class Runtime(Residency, Recording, Following, Divergence, Recomputation):
         out["swap"] = swap
         out["swapped_out_bytes"] = swap.get("bytes_swapped_out", 0)
         out["swapped_in_bytes"] = swap.get("bytes_swapped_in", 0)
+        out.update(self._compression_stats(swap))
         return out
 
     # Private spellings kept for callers written before the protocol.

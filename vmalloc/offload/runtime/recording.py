@@ -100,6 +100,7 @@ class Recording:
             self._unschedulable(seq, self.last_schedule_error)
         else:
             self._schedule_error = None
+            self._plan_compression()
 
     def _unschedulable(self, seq, error):
         """Says (once) that no schedule fits; raises under ``strict``."""
