@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 from vmalloc.errors import InvalidArgumentError
 from vmalloc.offload.gpus import get_gpu
-from vmalloc.offload.schedule import ScheduleError
+from vmalloc.offload.schedule import ScheduleError, paused_gc
 from vmalloc.offload.schedulers import SCHEDULERS, make_scheduler
 from vmalloc.offload.simulator import simulate
 from vmalloc.sizes import parse_size
@@ -83,6 +83,11 @@ def schedule_with_choices(seq, name, params, gpu="v100-16gb", recompute=None, co
     more bytes than the swap-only schedule with the same parameters (and fits its budget);
     else the swap-only schedule is returned. Raises :class:`ScheduleError` when even that
     cannot be scheduled."""
+    with paused_gc():
+        return _schedule_with_choices(seq, name, params, gpu, recompute, compress)
+
+
+def _schedule_with_choices(seq, name, params, gpu, recompute, compress):
     base = make_scheduler(name, **params).schedule(seq)
     sched = base
     if recompute:

@@ -45,7 +45,7 @@ from __future__ import annotations
 from collections import deque
 
 from vmalloc.errors import InvalidArgumentError
-from vmalloc.offload.schedule import Schedule, ScheduleError, Step
+from vmalloc.offload.schedule import Schedule, ScheduleError, Step, paused_gc
 from vmalloc.sizes import format_size, parse_size
 
 _ABSENT, _ON_HOST, _HELD, _SWAPPING_OUT, _DROPPING = range(5)
@@ -85,6 +85,10 @@ class WindowScheduler:
         functions ``[i, hm)``), ``("admit", i, j)``, ``("stall", i, j)`` (``f_j`` did not fit:
         the window stops advancing), ``("wait", i, v)``, ``("cancel", i, v, k)`` (the swap-out
         issued after ``f_k`` is dropped)."""
+        with paused_gc():
+            return self._schedule(seq, trace)
+
+    def _schedule(self, seq, trace):
         budget = self.budget
         window = self.window
         swap_persistent = self.persistent == "swap"
@@ -95,39 +99,51 @@ class WindowScheduler:
         sizes = [v.nbytes for v in variables]
         persistent = [v.persistent for v in variables]
         managed = [swap_persistent or not p for p in persistent]
+        every = all(managed)
 
-        # per function: managed variables used, whether each is read, and its next use
+        # Per function: the managed variables it uses, each once, its reads first (``fman``),
+        # how many of them it reads (``fnin``: the reads are a prefix), and for each its next
+        # use, encoded in one int (``fnext``): ``j >= 0`` a read at function j, ``-2 - j`` a
+        # write-only use at j (content dead), ``-1`` none this iteration.
         fman = [None] * n
-        fread = [None] * n
+        fnin = [0] * n
         fnext = [None] * n
-        fnread = [None] * n
         last = [-1] * nvar
-        last_reads = [False] * nvar
+        fromkeys = dict.fromkeys
         for i in range(n - 1, -1, -1):
             f = functions[i]
             ins = f.inputs
-            vs = [v for v in dict.fromkeys(ins + f.outputs) if managed[v]]
-            rd = [v in ins for v in vs]
+            outs = f.outputs
+            rd = list(fromkeys(ins)) if len(ins) > 1 else list(ins)
+            if not every:
+                rd = [v for v in rd if managed[v]]
+            k = len(rd)
+            if outs:
+                wo = [v for v in (fromkeys(outs) if len(outs) > 1 else outs)
+                      if v not in ins and managed[v]]
+                vs = rd + wo if wo else rd
+            else:
+                vs = rd
             fman[i] = vs
-            fread[i] = rd
+            fnin[i] = k
             fnext[i] = [last[v] for v in vs]
-            fnread[i] = [last_reads[v] for v in vs]
-            for v, r in zip(vs, rd):
+            for v in rd:
                 last[v] = i
-                last_reads[v] = r
-        first_reads = last_reads   # after the backward pass: whether each first use reads
+            if len(vs) > k:
+                wcode = -2 - i
+                for v in vs[k:]:
+                    last[v] = wcode
+        # after the backward pass ``last`` holds each variable's first use
+        first_reads = [x >= 0 for x in last]
 
         steps = [Step() for _ in range(n)]
-        state = [_ABSENT] * nvar
-        held = 0
-        resident = []
-        for v in range(nvar):
-            if persistent[v]:
-                if managed[v]:
-                    state[v] = _ON_HOST
-                else:
-                    resident.append(v)
-                    held += sizes[v]
+        if swap_persistent:
+            state = [_ON_HOST if p else _ABSENT for p in persistent]
+            resident = []
+        else:
+            state = [_ABSENT] * nvar
+            resident = [v for v in range(nvar) if persistent[v]]
+        held = sum([sizes[v] for v in resident])
         fixed = held
         if fixed > budget:
             raise ScheduleError(
@@ -137,7 +153,7 @@ class WindowScheduler:
         use_drop = self.drop
         # the host holds v's current content (it came in by a swap-in or went out by a
         # swap-out, and nothing wrote it since): leaving the device needs no copy
-        hvalid = [persistent[v] and managed[v] for v in range(nvar)]
+        hvalid = list(persistent) if swap_persistent else [False] * nvar
         fifo = deque()              # (token, v, step) of swap-outs in flight, oldest first
         out_token = [0] * nvar      # token of v's swap-out in flight (0: none)
         out_step = [0] * nvar
@@ -217,16 +233,10 @@ class WindowScheduler:
                 if trace is not None:
                     trace.append(("admit", i, j))
                 jstep = steps[j]
-                for v, r in zip(vs, fread[j]):
+                k = fnin[j]
+                for v in (vs if k == len(vs) else vs[:k]):     # the reads
                     s = state[v]
-                    if not r:
-                        # write-only at f_j: reserved now, allocated at f_j. If an earlier use
-                        # in the window holds v, that use frees it (content dead) and its bytes
-                        # stay counted as f_j's reservation.
-                        jstep.allocate.append(v)
-                        if s != _HELD:
-                            held += sizes[v]
-                    elif s == _HELD:
+                    if s == _HELD:
                         continue
                     elif s == _DROPPING:
                         # a pending drop re-enters the window: it simply stays resident
@@ -240,7 +250,7 @@ class WindowScheduler:
                             trace.append(("cancel", i, v, out_step[v]))
                         out_token[v] = 0
                         hvalid[v] = False           # the copy never happens
-                    elif r and s == _ON_HOST:
+                    elif s == _ON_HOST:
                         step.swap_in.append(v)
                         jstep.wait_swap_in.append(v)
                         held += sizes[v]
@@ -249,22 +259,30 @@ class WindowScheduler:
                         jstep.allocate.append(v)
                         held += sizes[v]
                     state[v] = _HELD
+                if k < len(vs):
+                    for v in vs[k:]:
+                        # write-only at f_j: reserved now, allocated at f_j. If an earlier use
+                        # in the window holds v, that use frees it (content dead) and its bytes
+                        # stay counted as f_j's reservation.
+                        jstep.allocate.append(v)
+                        if state[v] != _HELD:
+                            held += sizes[v]
+                            state[v] = _HELD
                 head += 1
             # (c)/(d): after function i
-            for v in functions[i].outputs:
-                hvalid[v] = False
-            for v, nx, nr in zip(fman[i], fnext[i], fnread[i]):
-                if nx < 0:
-                    if persistent[v] and first_reads[v]:
-                        out = True              # back to the host for the next iteration
-                    else:
-                        out = False
-                elif not nr:
-                    out = False                 # next use overwrites it: content dead
-                elif nx < head:
-                    continue                    # next use inside the window: keep
-                else:
+            if use_drop:
+                for v in functions[i].outputs:
+                    hvalid[v] = False
+            for v, nx in zip(fman[i], fnext[i]):
+                if nx >= 0:
+                    if nx < head:
+                        continue                # next use (a read) inside the window: keep
                     out = True
+                elif nx == -1:
+                    # never used again this iteration: back to the host for the next one
+                    out = persistent[v] and first_reads[v]
+                else:
+                    out = False                 # next use overwrites it: content dead
                 if out and use_drop and hvalid[v]:
                     # no copy needed: a pending drop, taken (before a later function) only
                     # when the budget needs the bytes, else the variable stays resident
@@ -283,7 +301,7 @@ class WindowScheduler:
                     hvalid[v] = True
                 else:
                     step.free.append(v)
-                    if 0 <= nx < head:
+                    if nx < -1 and -2 - nx < head:
                         state[v] = _HELD        # the bytes stay reserved for its next use
                     else:
                         state[v] = _ABSENT
