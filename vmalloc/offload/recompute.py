@@ -182,7 +182,9 @@ def _candidates(seq, gpu, ratio, compute_bound):
         if ok and cost < ratio * 2 * nbytes / link:
             ins = {x for c in chain for x in fns[c].inputs if x != v and not persistent[x]}
             chosen.append((-(2 * nbytes / link - cost), v, ins))
-    chosen.sort(key=itemgetter(0, 1))       # largest saving first, then by id
+    # largest saving first, then by id: chosen is in id order (chains' order) and the sort
+    # stable
+    chosen.sort(key=itemgetter(0))
     # a chain must read originals that stay on the device: no accepted variable is the input
     # of another accepted chain (else recomputing one would keep the other's original alive)
     accepted, inputs = [], set()

@@ -43,12 +43,66 @@ window counts only the variables it schedules.
 from __future__ import annotations
 
 from collections import deque
+from itertools import chain
+
+import numpy as np
 
 from vmalloc.errors import InvalidArgumentError
-from vmalloc.offload.schedule import Schedule, ScheduleError, Step, paused_gc
+from vmalloc.offload.schedule import Schedule, ScheduleError, empty_steps, paused_gc
 from vmalloc.sizes import format_size, parse_size
 
 _ABSENT, _ON_HOST, _HELD, _SWAPPING_OUT, _DROPPING = range(5)
+
+
+def _uses_and_next(functions, nvar, managed):
+    """Per function: the managed variables it uses, each once, its reads first (``fman``), how
+    many of them it reads (``fnin``: the reads are a prefix), and for each its next use,
+    encoded in one int (``fnext``): ``j >= 0`` a read at function j, ``-2 - j`` a write-only use
+    at j (its content is dead), ``-1`` none this iteration; and per variable whether its first
+    use reads it (``first_reads``). Vectorised: one Python pass per function costs a third of a
+    schedule."""
+    n = len(functions)
+    ins = [f.inputs for f in functions]
+    outs = [f.outputs for f in functions]
+    nin = np.array(list(map(len, ins)), np.int64)
+    nout = np.array(list(map(len, outs)), np.int64)
+    flat = list(chain.from_iterable(ins))
+    m_in = len(flat)
+    flat.extend(chain.from_iterable(outs))
+    var = np.array(flat, np.int64)
+    m_out = len(flat) - m_in
+    idx = np.arange(n, dtype=np.int64)
+    fun = np.concatenate((np.repeat(idx, nin), np.repeat(idx, nout)))
+    written = np.zeros(m_in + m_out, bool)
+    written[m_in:] = True
+    # per function its inputs, then its outputs, each in its recorded order (a stable sort)
+    order = np.argsort(fun * 2 + written, kind="stable")
+    var, fun, written = var[order], fun[order], written[order]
+    if not all(managed):
+        keep = np.asarray(managed, bool)[var]
+        var, fun, written = var[keep], fun[keep], written[keep]
+    # each variable once per function, at its first mention (a read if it is an input)
+    _, first = np.unique(fun * nvar + var, return_index=True)
+    first.sort()
+    var, fun, written = var[first], fun[first], written[first]
+    counts = np.bincount(fun, minlength=n)
+    reads = np.bincount(fun[~written], minlength=n)
+    # the next use of the same variable: entries grouped by variable, in function order
+    byvar = np.argsort(var, kind="stable")
+    code = np.where(written, -2 - fun, fun)
+    nxt = np.full(len(var), -1, np.int64)
+    same = var[byvar[1:]] == var[byvar[:-1]]
+    nxt[byvar[:-1][same]] = code[byvar[1:][same]]
+    first_reads = np.zeros(nvar, bool)
+    starts = np.ones(len(var), bool)
+    starts[1:] = ~same
+    heads = byvar[starts]
+    first_reads[var[heads]] = ~written[heads]
+    vs, nx = var.tolist(), nxt.tolist()
+    bounds = np.concatenate(([0], np.cumsum(counts))).tolist()
+    spans = list(zip(bounds, bounds[1:]))
+    return ([vs[a:b] for a, b in spans], reads.tolist(), [nx[a:b] for a, b in spans],
+            first_reads.tolist())
 
 
 class WindowScheduler:
@@ -99,44 +153,9 @@ class WindowScheduler:
         sizes = [v.nbytes for v in variables]
         persistent = [v.persistent for v in variables]
         managed = [swap_persistent or not p for p in persistent]
-        every = all(managed)
 
-        # Per function: the managed variables it uses, each once, its reads first (``fman``),
-        # how many of them it reads (``fnin``: the reads are a prefix), and for each its next
-        # use, encoded in one int (``fnext``): ``j >= 0`` a read at function j, ``-2 - j`` a
-        # write-only use at j (content dead), ``-1`` none this iteration.
-        fman = [None] * n
-        fnin = [0] * n
-        fnext = [None] * n
-        last = [-1] * nvar
-        fromkeys = dict.fromkeys
-        for i in range(n - 1, -1, -1):
-            f = functions[i]
-            ins = f.inputs
-            outs = f.outputs
-            rd = list(fromkeys(ins)) if len(ins) > 1 else list(ins)
-            if not every:
-                rd = [v for v in rd if managed[v]]
-            k = len(rd)
-            if outs:
-                wo = [v for v in (fromkeys(outs) if len(outs) > 1 else outs)
-                      if v not in ins and managed[v]]
-                vs = rd + wo if wo else rd
-            else:
-                vs = rd
-            fman[i] = vs
-            fnin[i] = k
-            fnext[i] = [last[v] for v in vs]
-            for v in rd:
-                last[v] = i
-            if len(vs) > k:
-                wcode = -2 - i
-                for v in vs[k:]:
-                    last[v] = wcode
-        # after the backward pass ``last`` holds each variable's first use
-        first_reads = [x >= 0 for x in last]
-
-        steps = [Step() for _ in range(n)]
+        fman, fnin, fnext, first_reads = _uses_and_next(functions, nvar, managed)
+        steps = empty_steps(n)
         if swap_persistent:
             state = [_ON_HOST if p else _ABSENT for p in persistent]
             resident = []
