@@ -70,14 +70,13 @@ def _chains(seq):
     read use after the gap) for each transient variable with a chain and a long gap."""
     uses = seq.uses()
     fns = seq.functions
+    variables = seq.variables
     out = {}
-    for var in seq.variables:
-        if var.persistent:
+    # transient, used twice or more, over a span where a gap of MIN_GAP functions can fit
+    for v in [v for v, u in enumerate(uses) if len(u) > 1 and u[-1] - u[0] >= MIN_GAP]:
+        if variables[v].persistent:
             continue
-        v = var.id
         u = uses[v]
-        if len(u) < 2 or u[-1] - u[0] < MIN_GAP:
-            continue                    # no gap of MIN_GAP functions can fit
         f0 = fns[u[0]]
         if v not in f0.outputs or v in f0.inputs or not f0.inputs:
             continue                    # not produced here (outside data or read-modify), or
@@ -131,20 +130,6 @@ def _candidates(seq, gpu, ratio, compute_bound):
     ridge = gpu.peak_flops * gpu.compute_efficiency / gpu.hbm_bandwidth   # FLOP per byte
     link = min(gpu.h2d_bandwidth, gpu.d2h_bandwidth)
 
-    def written_between(x, c, b):
-        """Whether a function strictly between c and b writes x (x's uses are sorted)."""
-        ux = uses[x]
-        k = bisect_right(ux, c)
-        n = len(ux)
-        while k < n:
-            j = ux[k]
-            if j >= b:
-                return False
-            if x in fns[j].outputs:
-                return True
-            k += 1
-        return False
-
     chosen = []
     chains = _chains(seq)
     # reused by with_recompute while the sequence is unchanged (sequences only grow)
@@ -174,8 +159,19 @@ def _candidates(seq, gpu, ratio, compute_bound):
                     continue
                 # a weight or buffer unchanged between the chain and the recompute; a
                 # transient input also read again at or after b (so resident around b anyway)
-                if (not persistent[x] and uses[x][-1] < b) or written_between(x, c, b):
+                ux = uses[x]
+                if not persistent[x] and ux[-1] < b:
                     ok = False
+                    break
+                # no write of x strictly between c and b (x's uses are sorted)
+                k = bisect_right(ux, c)
+                nx = len(ux)
+                while k < nx and ux[k] < b:
+                    if x in fns[ux[k]].outputs:
+                        ok = False
+                        break
+                    k += 1
+                if not ok:
                     break
             if not ok:
                 break
@@ -233,7 +229,7 @@ def _with_recompute(seq, recomputed):
     clones: Dict[int, int] = {}
     index: List[int] = []
     append = functions.append
-    new = Function._make
+    new = tuple.__new__          # Function(...) without its Python-level __new__
     for i, f in enumerate(fns):
         here = todo.get(i)
         if here:
@@ -247,8 +243,8 @@ def _with_recompute(seq, recomputed):
                             for x in g.outputs]   # the producer's other outputs: scratch
                     ins = [w if x == v else rename.get(x, x) for x in g.inputs]
                     k = len(functions)
-                    append(new((k, "recompute:" + g.name, tuple(ins), tuple(outs), g.flops,
-                                g.seconds, g.per_sample_flops)))
+                    append(new(Function, (k, "recompute:" + g.name, tuple(ins), tuple(outs),
+                                          g.flops, g.seconds, g.per_sample_flops)))
                     origin[k] = c
                 rename[v] = w
         k = len(functions)
@@ -260,10 +256,11 @@ def _with_recompute(seq, recomputed):
                 ins = tuple([rename.get(x, x) for x in ins])
             if outs and not rename.keys().isdisjoint(outs):
                 outs = tuple([rename.get(x, x) for x in outs])
-        if k == i and ins is f.inputs and outs is f.outputs:
-            append(f)                      # unchanged, at the same index
+        if ins is f.inputs and outs is f.outputs:
+            # unchanged but for its index: (index,) + the other fields
+            append(f if k == i else new(Function, (k,) + f[1:]))
         else:
-            append(new((k, f.name, ins, outs, f.flops, f.seconds, f.per_sample_flops)))
+            append(new(Function, (k, f.name, ins, outs) + f[4:]))
     out._uses = None
     return Recompute(out, origin, clones, sorted(set(recomputed)), index)
 
