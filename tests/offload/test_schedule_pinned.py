@@ -118,3 +118,15 @@ WINDOW_DIGEST = "cc76b156b3c42024e04b5b102fa2d71c0284591f89ee1a9272fff80d35b6b0b
 MEMORY_DIGEST = "5ea67e4532a79c45afb9582025a5e22062c408588e5287975b5cc81ef1950b9c"
 ALL_DIGEST = "60fff1d3164632a968246e38ca20e4174426995629ab328f7d8867c685cbe6d5"
 CANDIDATES_DIGEST = "5582bcd3cf033acea47028cd7d64e0fea29d38bf1f0320c308cb8b8591ff48d7"
+
+
+def test_moved_bytes_total_is_out_plus_in_compressed_or_not():
+    seq = chain_sequence()
+    peak = seq.in_core_peak()
+    s = schedule_with_choices(seq, "window", {"window": peak // 8, "budget": peak // 3,
+                                              "drop": True}, "v100-16gb", "memory")
+    assert s.recompute is not None and s.swapped_out()
+    full = sum(s.moved_bytes(seq, v) for v in s.swapped_out() + s.swapped_in())
+    assert s.moved_bytes_total(seq) == s.swap_out_bytes(seq) + s.swap_in_bytes(seq) == full
+    s.compressed = frozenset(s.swapped_out()[::2])
+    assert s.moved_bytes_total(seq) == s.swap_out_bytes(seq) + s.swap_in_bytes(seq) < full

@@ -102,8 +102,7 @@ def _schedule_with_choices(seq, name, params, gpu, recompute, compress):
                 alt = None
             if alt is not None:
                 alt.recompute = rc
-                if (alt.swap_out_bytes(seq) + alt.swap_in_bytes(seq)
-                        <= base.swap_out_bytes(seq) + base.swap_in_bytes(seq)):
+                if alt.moved_bytes_total(seq) <= base.moved_bytes_total(seq):
                     sched = alt
     if compress:
         from vmalloc.offload.recompute import COMPRESSIONS, compressible

@@ -42,6 +42,8 @@ from __future__ import annotations
 import contextlib
 import gc
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter
 from typing import Dict, List, Optional
 
 from vmalloc.errors import VmallocError
@@ -189,6 +191,12 @@ class Schedule:
 
     def swap_in_bytes(self, seq) -> int:
         return self._moved(seq, self.swapped_in())
+
+    def moved_bytes_total(self, seq) -> int:
+        """``swap_out_bytes(seq) + swap_in_bytes(seq)`` in one pass over the steps."""
+        ids = chain.from_iterable(chain.from_iterable(
+            map(attrgetter("swap_out", "swap_in"), self.steps)))
+        return self._moved(seq, ids)
 
     def _moved(self, seq, ids) -> int:
         """sum(moved_bytes(seq, v) for v in ids), without a call per variable."""
