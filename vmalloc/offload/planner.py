@@ -8,7 +8,9 @@ allocator out of memory is rejected), and keeps the fastest that does not run ou
   given, times windows 256 MiB / 1 GiB / 4 GiB), then golden-section search on the budget
   (``BUDGET_RANGE``, to ``BUDGET_TOL`` of the memory), on log2 of the window (``WINDOW_RANGE``,
   to ``WINDOW_TOL``), and on the budget again. Speed rises with the budget up to the point
-  where the plan runs out of memory and drops to nothing: golden section handles that cliff.
+  where the plan runs out of memory and drops to nothing: golden section handles that cliff;
+  below the budget the largest function needs there is a second one, and ties between two
+  infeasible probes go toward the best point found so far (:func:`golden_max`).
   Plans drop what the host already holds (``drop=True``).
 - ``lms``: ``swapout_threshold`` in 2, 8, 32, 128 times ``swapin_ahead`` in 1, 4, 16, then the
   same golden-section refinement of each integer on a log scale: the baseline searched as
@@ -32,7 +34,7 @@ from typing import Callable, Optional
 
 from vmalloc.errors import InvalidArgumentError
 from vmalloc.offload.gpus import get_gpu
-from vmalloc.offload.schedule import ScheduleError
+from vmalloc.offload.schedule import ScheduleError, paused_gc
 from vmalloc.offload.schedulers import SCHEDULERS, make_scheduler
 from vmalloc.offload.simulator import simulate
 from vmalloc.sizes import parse_size
@@ -81,6 +83,11 @@ def schedule_with_choices(seq, name, params, gpu="v100-16gb", recompute=None, co
     more bytes than the swap-only schedule with the same parameters (and fits its budget);
     else the swap-only schedule is returned. Raises :class:`ScheduleError` when even that
     cannot be scheduled."""
+    with paused_gc():
+        return _schedule_with_choices(seq, name, params, gpu, recompute, compress)
+
+
+def _schedule_with_choices(seq, name, params, gpu, recompute, compress):
     base = make_scheduler(name, **params).schedule(seq)
     sched = base
     if recompute:
@@ -95,8 +102,7 @@ def schedule_with_choices(seq, name, params, gpu="v100-16gb", recompute=None, co
                 alt = None
             if alt is not None:
                 alt.recompute = rc
-                if (alt.swap_out_bytes(seq) + alt.swap_in_bytes(seq)
-                        <= base.swap_out_bytes(seq) + base.swap_in_bytes(seq)):
+                if alt.moved_bytes_total(seq) <= base.moved_bytes_total(seq):
                     sched = alt
     if compress:
         from vmalloc.offload.recompute import COMPRESSIONS, compressible
@@ -123,12 +129,19 @@ def _try(seq, name, params, gpu, allocator, chunk_size, reference=None, recomput
 GOLDEN = (math.sqrt(5) - 1) / 2
 
 
-def golden_max(f, lo, hi, tol, integer=False):
+def golden_max(f, lo, hi, tol, integer=False, start=None):
     """Golden-section search of ``f`` over ``[lo, hi]`` for its maximum, to within ``tol``
-    (integers when ``integer``): f is unimodal for the planner's parameters up to the point
-    where the plan runs out of memory, where it drops to 0 (a cliff golden section handles, since
-    the lower probe then wins). Returns the best point probed."""
+    (integers when ``integer``). ``f`` returns None where the plan is infeasible, and that
+    happens at both ends of a planner's range: below the budget the largest function needs
+    and past the budget where the allocator runs out of memory. Between, f is taken unimodal.
+    When the two probes tie (both infeasible, or a plateau) the comparison says nothing, so the
+    search keeps the side holding the best point seen so far (``start``, a point ``(x, f(x))``
+    known before the search, e.g. the seed grid's best): taking the lower side on a tie would
+    walk away from a feasible region lying above both probes. Returns the best point probed
+    (``start``'s x when nothing probed is better)."""
     best = [None, -1.0]
+    if start is not None and start[1] is not None:
+        best[0], best[1] = start[0], start[1]
 
     def g(x):
         if integer:
@@ -144,7 +157,13 @@ def golden_max(f, lo, hi, tol, integer=False):
     d = a + GOLDEN * (b - a)
     fc, fd = g(c), g(d)
     while b - a > tol:
-        if fc >= fd:
+        if fc == fd and best[0] is not None and best[0] > d:
+            left = False            # a tie: keep the side of the best point
+        elif fc == fd and best[0] is not None and best[0] < c:
+            left = True
+        else:
+            left = fc >= fd
+        if left:
             b, d, fd = d, c, fc
             c = b - GOLDEN * (b - a)
             fc = g(c)
@@ -234,14 +253,21 @@ def plan(seq, gpu="v100-16gb", scheduler="window", allocator="virtual", budget=N
                 def by_window(lg):
                     return evaluate({"window": max(MiB, int(2 ** lg)),
                                      "budget": best[0][1]["budget"]})
+                def at_budget():        # the best point so far, in by_budget's coordinate
+                    return best[0][1]["budget"] / mem, best[0][0]
+
+                def at_window():
+                    return math.log2(best[0][1]["window"]), best[0][0]
                 lw = (math.log2(WINDOW_RANGE[0]), math.log2(WINDOW_RANGE[1]))
                 # budget, window, then the budget again (it depends on the window)
                 if budget is None:
-                    golden_max(by_budget, BUDGET_RANGE[0], BUDGET_RANGE[1], BUDGET_TOL)
+                    golden_max(by_budget, BUDGET_RANGE[0], BUDGET_RANGE[1], BUDGET_TOL,
+                               start=at_budget())
                 if window is None:
-                    golden_max(by_window, lw[0], lw[1], WINDOW_TOL)
+                    golden_max(by_window, lw[0], lw[1], WINDOW_TOL, start=at_window())
                 if budget is None:
-                    golden_max(by_budget, BUDGET_RANGE[0], BUDGET_RANGE[1], BUDGET_TOL)
+                    golden_max(by_budget, BUDGET_RANGE[0], BUDGET_RANGE[1], BUDGET_TOL,
+                               start=at_budget())
         elif scheduler == "lms":
             for t, a in LMS_GRID:
                 evaluate({"swapout_threshold": t, "swapin_ahead": a})
@@ -256,9 +282,14 @@ def plan(seq, gpu="v100-16gb", scheduler="window", allocator="virtual", budget=N
                 def by_ahead(lg):
                     return evaluate({"swapout_threshold": best[0][1]["swapout_threshold"],
                                      "swapin_ahead": max(0, int(round(2 ** lg)) - 1)})
-                golden_max(by_threshold, 0.0, math.log2(n), LMS_TOL)
-                golden_max(by_ahead, 0.0, math.log2(n), LMS_TOL)
-                golden_max(by_threshold, 0.0, math.log2(n), LMS_TOL)
+                def at_threshold():
+                    return math.log2(best[0][1]["swapout_threshold"]), best[0][0]
+
+                def at_ahead():
+                    return math.log2(best[0][1]["swapin_ahead"] + 1), best[0][0]
+                golden_max(by_threshold, 0.0, math.log2(n), LMS_TOL, start=at_threshold())
+                golden_max(by_ahead, 0.0, math.log2(n), LMS_TOL, start=at_ahead())
+                golden_max(by_threshold, 0.0, math.log2(n), LMS_TOL, start=at_threshold())
         else:
             evaluate({})
     if best[0] is None:

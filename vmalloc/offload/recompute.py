@@ -30,10 +30,12 @@ of ``max_pool2d_with_indices`` (its second output).
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from operator import itemgetter
 from typing import Dict, List, Optional, Tuple
 
 from vmalloc.errors import InvalidArgumentError
-from vmalloc.offload.schedule import ScheduleError
+from vmalloc.offload.schedule import ScheduleError, paused_gc
 from vmalloc.offload.sequence import Function, FunctionSequence, Variable
 
 __all__ = ["check_recompute", "Recompute", "recompute_candidates", "with_recompute", "compressible",
@@ -68,30 +70,38 @@ def _chains(seq):
     read use after the gap) for each transient variable with a chain and a long gap."""
     uses = seq.uses()
     fns = seq.functions
+    variables = seq.variables
     out = {}
-    for var in seq.variables:
-        v = var.id
-        u = uses[v]
-        if var.persistent or len(u) < 2:
+    # transient, used twice or more, over a span where a gap of MIN_GAP functions can fit
+    for v in [v for v, u in enumerate(uses) if len(u) > 1 and u[-1] - u[0] >= MIN_GAP]:
+        if variables[v].persistent:
             continue
+        u = uses[v]
         f0 = fns[u[0]]
         if v not in f0.outputs or v in f0.inputs or not f0.inputs:
             continue                    # not produced here (outside data or read-modify), or
             #                             produced from nothing (a data load, a random fill)
         chain = [u[0]]
         k = 1
-        while k < len(u) and v in fns[u[k]].outputs and v in fns[u[k]].inputs \
-                and u[k] - u[k - 1] < MIN_GAP:
+        nu = len(u)
+        while k < nu and u[k] - u[k - 1] < MIN_GAP:
+            g = fns[u[k]]
+            if v not in g.outputs or v not in g.inputs:
+                break
             chain.append(u[k])
             k += 1
         # the first long gap after the chain, ending in a read; no write of v after the chain
-        if any(v in fns[j].outputs for j in u[k:]):
-            continue
         gap = None
-        for a, b in zip(u[k - 1:], u[k:]):
-            if b - a >= MIN_GAP and v in fns[b].inputs:
-                gap = (a, b)
+        a = u[k - 1]
+        for j in range(k, nu):
+            b = u[j]
+            g = fns[b]
+            if v in g.outputs:
+                gap = None
                 break
+            if gap is None and b - a >= MIN_GAP and v in g.inputs:
+                gap = (a, b)
+            a = b
         if gap is not None:
             out[v] = (chain, gap[0], gap[1])
     return out
@@ -104,64 +114,80 @@ def recompute_candidates(seq, gpu, ratio=1.0, compute_bound=False, eligible=None
     from vmalloc.offload.gpus import get_gpu
 
     gpu = get_gpu(gpu)
+    with paused_gc():
+        return _candidates(seq, gpu, ratio, compute_bound, eligible)
+
+
+def _candidates(seq, gpu, ratio, compute_bound, eligible):
     fns = seq.functions
     var = seq.variables
     uses = seq.uses()
-
-    def secs(c):     # the simulator's model time (function_seconds), for chain members only
-        f = fns[c]
-        if f.seconds is not None:
-            return f.seconds
-        return gpu.compute_seconds(f.flops, sum(var[x].nbytes for x in f.uses))
+    sizes = [x.nbytes for x in var]
+    persistent = [x.persistent for x in var]
+    # the simulator's model time (GPU.compute_seconds), inlined: the same arithmetic
+    flop_rate = gpu.peak_flops * gpu.compute_efficiency
+    hbm = gpu.hbm_bandwidth
+    overhead = gpu.function_overhead_seconds
     ridge = gpu.peak_flops * gpu.compute_efficiency / gpu.hbm_bandwidth   # FLOP per byte
     link = min(gpu.h2d_bandwidth, gpu.d2h_bandwidth)
-    writers: Dict[int, List[int]] = {}
-    for f in fns:
-        for v in f.outputs:
-            writers.setdefault(v, []).append(f.index)
+
     chosen = []
     chains = _chains(seq)
     # reused by with_recompute while the sequence is unchanged (sequences only grow)
     seq._recompute_chains = (len(seq.functions), len(seq.variables), chains)
     for v, (chain, a, b) in chains.items():
-        nbytes = var[v].nbytes
+        nbytes = sizes[v]
         if nbytes <= 0 or (eligible is not None and not eligible(v, chain)):
             continue
         ok = True
         cost = 0.0
         for c in chain:
             f = fns[c]
-            touched = sum(var[x].nbytes for x in f.uses) or 1
-            if not compute_bound and (f.flops or 0.0) / touched > ridge:
+            touched = sum([sizes[x] for x in {*f.inputs, *f.outputs}])
+            flops = f.flops
+            if not compute_bound and (flops or 0.0) / (touched or 1) > ridge:
                 ok = False
                 break
-            cost += secs(c)
+            if f.seconds is not None:
+                cost += f.seconds
+            else:
+                t = flops / flop_rate if flops else 0.0
+                if touched:
+                    t = max(t, touched / hbm)
+                cost += t + overhead
             for x in f.inputs:
                 if x == v:
                     continue
-                if var[x].persistent:
-                    # a weight or buffer: unchanged between the chain and the recompute?
-                    if any(c < w < b for w in writers.get(x, ())):
+                # a weight or buffer unchanged between the chain and the recompute; a
+                # transient input also read again at or after b (so resident around b anyway)
+                ux = uses[x]
+                if not persistent[x] and ux[-1] < b:
+                    ok = False
+                    break
+                # no write of x strictly between c and b (x's uses are sorted)
+                k = bisect_right(ux, c)
+                nx = len(ux)
+                while k < nx and ux[k] < b:
+                    if x in fns[ux[k]].outputs:
                         ok = False
                         break
-                    continue
-                ux = uses[x]
-                # read again at or after b (so resident around b anyway), not written since c
-                if not any(j >= b for j in ux) or any(c < w < b for w in writers.get(x, ())):
-                    ok = False
+                    k += 1
+                if not ok:
                     break
             if not ok:
                 break
         if ok and cost < ratio * 2 * nbytes / link:
-            ins = {x for c in chain for x in fns[c].inputs if x != v and not var[x].persistent}
-            chosen.append((2 * nbytes / link - cost, v, ins))
-    chosen.sort(key=lambda t: (-t[0], t[1]))
+            ins = {x for c in chain for x in fns[c].inputs if x != v and not persistent[x]}
+            chosen.append((-(2 * nbytes / link - cost), v, ins))
+    # largest saving first, then by id: chosen is in id order (chains' order) and the sort
+    # stable
+    chosen.sort(key=itemgetter(0))
     # a chain must read originals that stay on the device: no accepted variable is the input
     # of another accepted chain (else recomputing one would keep the other's original alive)
     accepted, inputs = [], set()
     taken = set()
     for _, v, ins in chosen:
-        if v in inputs or ins & taken:
+        if v in inputs or not ins.isdisjoint(taken):
             continue
         accepted.append(v)
         taken.add(v)
@@ -172,14 +198,19 @@ def recompute_candidates(seq, gpu, ratio=1.0, compute_bound=False, eligible=None
 def with_recompute(seq, variables) -> Recompute:
     """``seq`` expanded so that each variable of ``variables`` (see :func:`recompute_candidates`)
     is recomputed before its first read after its long gap instead of being kept or swapped."""
+    with paused_gc():
+        return _with_recompute(seq, variables)
+
+
+def _with_recompute(seq, recomputed):
     cached = getattr(seq, "_recompute_chains", None)
     if cached is not None and cached[:2] == (len(seq.functions), len(seq.variables)):
         chains = cached[2]
     else:
         chains = _chains(seq)
-    recomputed = sorted(set(variables))
+    recomputed = sorted(set(recomputed))
     todo = {}
-    for v in variables:
+    for v in recomputed:
         if v not in chains:
             raise InvalidArgumentError(f"variable {v} cannot be recomputed (no chain and gap)")
         chain, a, b = chains[v]
@@ -194,34 +225,44 @@ def with_recompute(seq, variables) -> Recompute:
         variables.append(Variable(vid, like.nbytes, False, name, like.per_sample_bytes))
         return vid
 
-    def add_fn(ins, outs, g, name):
-        k = len(functions)
-        functions.append(Function(k, name, tuple(ins), tuple(outs), g.flops, g.seconds,
-                                  g.per_sample_flops))
-        return k
-
     fns = seq.functions
     rename: Dict[int, int] = {}           # original v -> clone, active from its recompute on
     origin: Dict[int, int] = {}
     clones: Dict[int, int] = {}
     index: List[int] = []
+    append = functions.append
+    new = tuple.__new__          # Function(...) without its Python-level __new__
     for i, f in enumerate(fns):
-        for v, chain in sorted(todo.get(i, ()), key=lambda t: t[1][0]):
-            # chains in production order: one may read a variable another re-creates here
-            w = add_var(seq.variables[v], seq.variables[v].name + "'")
-            clones[w] = v
-            for c in chain:
-                g = fns[c]
-                outs = [w if x == v else add_var(seq.variables[x], seq.variables[x].name + "~")
-                        for x in g.outputs]   # the producer's other outputs: scratch
-                ins = [w if x == v else rename.get(x, x) for x in g.inputs]
-                origin[add_fn(ins, outs, g, "recompute:" + g.name)] = c
-            rename[v] = w
+        here = todo.get(i)
+        if here:
+            for v, chain in sorted(here, key=lambda t: t[1][0]):
+                # chains in production order: one may read a variable another re-creates here
+                w = add_var(seq.variables[v], seq.variables[v].name + "'")
+                clones[w] = v
+                for c in chain:
+                    g = fns[c]
+                    outs = [w if x == v else add_var(seq.variables[x], seq.variables[x].name + "~")
+                            for x in g.outputs]   # the producer's other outputs: scratch
+                    ins = [w if x == v else rename.get(x, x) for x in g.inputs]
+                    k = len(functions)
+                    append(new(Function, (k, "recompute:" + g.name, tuple(ins), tuple(outs),
+                                          g.flops, g.seconds, g.per_sample_flops)))
+                    origin[k] = c
+                rename[v] = w
+        k = len(functions)
+        index.append(k)
+        ins, outs = f.inputs, f.outputs
         if rename:
-            index.append(add_fn([rename.get(x, x) for x in f.inputs],
-                                [rename.get(x, x) for x in f.outputs], f, f.name))
+            # renamed reads and writes only where a clone replaces a variable
+            if not rename.keys().isdisjoint(ins):
+                ins = tuple([rename.get(x, x) for x in ins])
+            if outs and not rename.keys().isdisjoint(outs):
+                outs = tuple([rename.get(x, x) for x in outs])
+        if ins is f.inputs and outs is f.outputs:
+            # unchanged but for its index: (index,) + the other fields
+            append(f if k == i else new(Function, (k,) + f[1:]))
         else:
-            index.append(add_fn(f.inputs, f.outputs, f, f.name))
+            append(new(Function, (k, f.name, ins, outs) + f[4:]))
     out._uses = None
     return Recompute(out, origin, clones, recomputed, index)
 
