@@ -4,7 +4,6 @@ swap-outs in flight), the host capacity, invalid calls, relocation, and every st
 deallocate."""
 
 import threading
-import time
 
 import pytest
 
@@ -213,19 +212,24 @@ def test_never_out_of_memory_while_swap_outs_in_flight_would_free_enough(make_de
     try:
         ka = swap.swap_out(a, s)  # its copy waits behind the hold: in flight
         assert swap.state(ka) == "swapping_out"
-        timer = release_later(release)
-        t0 = time.monotonic()
+        released = threading.Event()
+
+        def release_marked():
+            released.set()     # before the hold goes: a's copy cannot complete earlier
+            release()
+        timer = release_later(release_marked)
         c2 = swap.swap_in(kc)  # OOM first, then waits for a's copy and takes its memory
-        waited = time.monotonic() - t0
+        # it returned only once a's copy could complete (no timing asserted: machines are
+        # noisy, and the wall time between starting the timer and this call is not ours)
+        assert released.is_set()
     finally:
         if timer is None:
             release()
         else:
             timer.join()
-    assert waited >= 0.2
     st = swap.stats()
     assert st["oom_retries"] == 1 and st["swap_in_failures"] == 0
-    assert st["host_waits"] >= 2 and st["wait_seconds"] >= 0.2
+    assert st["host_waits"] >= 2 and st["wait_seconds"] > 0
     assert swap.state(ka) == "on_host"
     swap.wait(c2)
     assert dev.read(c2, small) == data_c
