@@ -243,3 +243,28 @@ def test_recompute_never_loses_data(fillers, budget_mib, diverge, at):
         return rt.stats()
     with_rc, without = run(True), run(False)
     assert with_rc["swapped_out_bytes"] <= without["swapped_out_bytes"]
+
+
+def test_recompute_and_compression_together():
+    """Both choices at once: what is recomputed never crosses the link, what still swaps goes
+    at half its bytes; fewer bytes than either alone, and the losses stay within fp16's
+    rounding of the in-core run."""
+    net = dict(network="mlp", batch=8192, sizes=(128,) * 10 + (10,), steps=3)
+
+    def make(capacity, **kw):
+        dev = vmalloc.HostDevice(capacity=capacity, granularity="2MiB")
+        alloc = vmalloc.VirtualAllocator(dev, chunk_size="2MiB", small_threshold=64 << 10)
+        return Runtime(alloc, **kw)
+
+    ref = train(make("1GiB", scheduler="none"), **net)
+    capacity = ref.stats["peak_device_bytes"] // 2 // (2 << 20) * (2 << 20)
+    out = {}
+    for name, kw in (("recompute", dict(recompute=True)), ("compress", dict(compress="fp16")),
+                     ("both", dict(recompute=True, compress="fp16"))):
+        out[name] = train(make(capacity, **kw), **net)
+    both = out["both"].stats
+    assert both["recomputed_functions"] > 0 and both["compressed_swap_outs"] > 0
+    assert both["swapped_out_bytes"] < min(out["recompute"].stats["swapped_out_bytes"],
+                                           out["compress"].stats["swapped_out_bytes"])
+    assert out["recompute"].losses == ref.losses
+    assert max(abs(a - b) / b for a, b in zip(out["both"].losses, ref.losses)) < 1e-5
