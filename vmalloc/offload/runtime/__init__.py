@@ -20,8 +20,9 @@ on demand, it is recorded anew, and the next iteration runs a new schedule
 
 The driver protocol (the methods every framework driver uses) is described in
 docs/runtime.rst. The class is assembled from one module per concern: ``buffers`` (buffers,
-residency and eviction), ``recording``, ``following`` (a schedule), ``divergence``, and
-``core`` (the public class).
+residency and eviction), ``recording``, ``following`` (a schedule), ``divergence``,
+``recompute`` (drop and re-run), ``compression`` (compressed swaps), ``scopes`` (the context
+managers), and ``core`` (the public class).
 """
 
 from vmalloc.offload.runtime.buffers import Buffer, FunctionPointers

@@ -15,6 +15,7 @@ from vmalloc.offload.runtime.compression import Compression
 from vmalloc.offload.runtime.divergence import Divergence
 from vmalloc.offload.runtime.following import Following
 from vmalloc.offload.runtime.recompute import Recomputation, init_recompute_state
+from vmalloc.offload.runtime.scopes import _Function, _Iteration
 from vmalloc.offload.runtime.recording import BudgetWarning, Recording
 from vmalloc.sizes import parse_size
 
@@ -235,21 +236,6 @@ class Runtime(Compression, Residency, Recording, Following, Divergence, Recomput
         see :meth:`enter_function`."""
         return _Function(self, tuple(reads), tuple(writes), name, rerun)
 
-    def call(self, fn, reads: Iterable[Buffer] = (), writes: Iterable[Buffer] = (),
-             name: Optional[str] = None):
-        """Runs ``fn(ptrs)`` as one function (``ptrs`` as :meth:`function` yields them) and
-        returns its result. ``fn`` is also the function's ``rerun``: with ``recompute=True``
-        the runtime may call it again to recompute what it wrote, so it must read only
-        ``reads``, write only ``writes``, and give the same bytes for the same inputs."""
-        ptrs = self.enter_function(reads, writes, name, rerun=fn)
-        try:
-            out = fn(ptrs)
-        except BaseException:
-            self.exit_function(failed=True)
-            raise
-        self.exit_function()
-        return out
-
     def enter_function(self, reads: Iterable[Buffer] = (), writes: Iterable[Buffer] = (),
                        name: Optional[str] = None, rerun=None) -> FunctionPointers:
         """A function starts: its buffers resident, their swap-ins complete; returns their
@@ -315,16 +301,6 @@ class Runtime(Compression, Residency, Recording, Following, Divergence, Recomput
         for b in bufs:
             self._fn_writes.append(b)
             self._current.append(b)
-
-    def set_rerun(self, rerun) -> None:
-        """The running function's ``rerun`` (see :meth:`enter_function`), for a driver that
-        learns how to redo the function only once it ran (its outputs, added by
-        :meth:`add_writes`, are then part of the rerun's pointers)."""
-        if not self._in_function:
-            raise InvalidArgumentError("set_rerun is for the running function")
-        if rerun is not None and not callable(rerun):
-            raise InvalidArgumentError(f"rerun must be callable, got {rerun!r}")
-        self._fn_rerun = rerun
 
     def exit_function(self, failed: bool = False) -> None:
         """The running function ends (``failed``: by an exception; then the rest of the
@@ -406,38 +382,3 @@ class Runtime(Compression, Residency, Recording, Following, Divergence, Recomput
     # Private spellings kept for callers written before the protocol.
     _begin_iteration = begin_iteration
     _end_iteration = end_iteration
-
-
-class _Iteration:
-    __slots__ = ("rt",)
-
-    def __init__(self, rt):
-        self.rt = rt
-
-    def __enter__(self):
-        self.rt.begin_iteration()
-        return self.rt
-
-    def __exit__(self, exc_type, exc, tb):
-        self.rt.end_iteration(failed=exc_type is not None)
-        return False
-
-
-class _Function:
-    __slots__ = ("rt", "reads", "writes", "name", "rerun")
-
-    def __init__(self, rt, reads, writes, name, rerun):
-        self.rt = rt
-        self.reads = reads
-        self.writes = writes
-        self.name = name
-        self.rerun = rerun
-
-    def __enter__(self):
-        return self.rt.enter_function(self.reads, self.writes, self.name, self.rerun)
-
-    def __exit__(self, exc_type, exc, tb):
-        self.rt.exit_function(failed=exc_type is not None)
-        return False
-
-

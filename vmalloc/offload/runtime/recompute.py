@@ -21,9 +21,10 @@ record (a divergence, a failure) still reads the right bytes.
 
 from __future__ import annotations
 
-from typing import Dict, List, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
-from vmalloc.errors import OutOfMemoryError, VmallocError
+from vmalloc.errors import InvalidArgumentError, OutOfMemoryError, VmallocError
+from vmalloc.offload.runtime.buffers import Buffer, FunctionPointers
 
 
 class RecomputeError(VmallocError, RuntimeError):
@@ -33,6 +34,32 @@ class RecomputeError(VmallocError, RuntimeError):
 
 class Recomputation:
     """The recompute half of :class:`~vmalloc.offload.Runtime` (a mixin)."""
+
+    # --- the protocol's part: how a function says how to redo itself ---------------------------
+    def call(self, fn, reads: Iterable[Buffer] = (), writes: Iterable[Buffer] = (),
+             name: Optional[str] = None):
+        """Runs ``fn(ptrs)`` as one function (``ptrs`` as :meth:`function` yields them) and
+        returns its result. ``fn`` is also the function's ``rerun``: with ``recompute=True``
+        the runtime may call it again to recompute what it wrote, so it must read only
+        ``reads``, write only ``writes``, and give the same bytes for the same inputs."""
+        ptrs = self.enter_function(reads, writes, name, rerun=fn)
+        try:
+            out = fn(ptrs)
+        except BaseException:
+            self.exit_function(failed=True)
+            raise
+        self.exit_function()
+        return out
+
+    def set_rerun(self, rerun) -> None:
+        """The running function's ``rerun`` (see :meth:`enter_function`), for a driver that
+        learns how to redo the function only once it ran (its outputs, added by
+        :meth:`add_writes`, are then part of the rerun's pointers)."""
+        if not self._in_function:
+            raise InvalidArgumentError("set_rerun is for the running function")
+        if rerun is not None and not callable(rerun):
+            raise InvalidArgumentError(f"rerun must be callable, got {rerun!r}")
+        self._fn_rerun = rerun
 
     # --- planning (after a recorded iteration) ------------------------------------------------
     def _recompute_plan(self, seq, scheduler, base):
@@ -173,7 +200,6 @@ class Recomputation:
                 bufs = list(dict.fromkeys(reads + writes))
                 self._current = (saved or []) + bufs    # none of them is evicted meanwhile
                 self._make_resident(bufs)
-                from vmalloc.offload.runtime.buffers import FunctionPointers
                 try:
                     rerun(FunctionPointers(reads + writes))
                 except BaseException as error:
@@ -214,8 +240,6 @@ class Recomputation:
 
 def init_recompute_state(rt, recompute, gpu):
     """The recompute fields of a new runtime (called by its constructor)."""
-    from vmalloc.errors import InvalidArgumentError
-
     if recompute not in (False, True):
         raise InvalidArgumentError(f"recompute must be True or False, got {recompute!r}")
     rt.recompute = bool(recompute)
