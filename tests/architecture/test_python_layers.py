@@ -233,6 +233,15 @@ LONG_FILES = {
 }
 
 
+def test_the_runtime_split_by_concern_keeps_each_file_under_400_lines():
+    """Issue 15: the Runtime is assembled from one module per concern, none over 400 lines (a
+    concern that grows past it becomes its own module, as recompute, compression and scopes)."""
+    runtime = ROOT / "vmalloc" / "offload" / "runtime"
+    long = {p.name: n for p in runtime.glob("*.py")
+            if (n := p.read_text().count("\n")) > 400}
+    assert long == {}
+
+
 def test_no_python_file_over_500_lines():
     long = sorted(str(p.relative_to(ROOT)) for p in modules().values()
                   if p.read_text().count("\n") > 500)
