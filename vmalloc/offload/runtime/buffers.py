@@ -273,10 +273,16 @@ class Residency:
     def _allocate_with_eviction(self, footprint, n):
         """Allocates n bytes (``footprint`` on the device), evicting least recently used
         buffers to stay in budget."""
+        return self._with_room(footprint, lambda: self.swap.allocate(n, stream=self.stream))
+
+    def _with_room(self, footprint, acquire):
+        """Runs ``acquire()`` (which takes ``footprint`` device bytes) once they fit under the
+        budget, evicting least recently used buffers first and again after an
+        OutOfMemoryError; returns its result."""
         while True:
             if self._fits(footprint):
                 try:
-                    return self.swap.allocate(n, stream=self.stream)
+                    return acquire()
                 except OutOfMemoryError:
                     if not self._evict_one():
                         raise
@@ -285,7 +291,7 @@ class Residency:
                 # What is left is the running function's: over the budget if the device has
                 # room (said once), else the allocator's OutOfMemoryError.
                 self._over_budget(footprint)
-                return self.swap.allocate(n, stream=self.stream)
+                return acquire()
 
     def _evict_one(self):
         """Swaps out (synchronously) the least recently used buffer that the running function

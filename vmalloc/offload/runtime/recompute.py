@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
-from vmalloc.errors import InvalidArgumentError, OutOfMemoryError, VmallocError
+from vmalloc.errors import InvalidArgumentError, VmallocError
 from vmalloc.offload.runtime.buffers import Buffer, FunctionPointers
 
 
@@ -63,8 +63,8 @@ class Recomputation:
 
     # --- planning (after a recorded iteration) ------------------------------------------------
     def _recompute_plan(self, seq, scheduler, base):
-        """A schedule of ``seq`` with recompute, kept when it fits the budget and moves fewer
-        bytes than ``base`` (None when ``base`` failed). Returns (schedule or None, error)."""
+        """A schedule of ``seq`` with recompute when it fits the budget and moves fewer bytes
+        than ``base`` (None when ``base`` failed), else None."""
         from vmalloc.offload.recompute import recompute_candidates, with_recompute
         from vmalloc.offload.schedule import ScheduleError
 
@@ -78,19 +78,19 @@ class Recomputation:
 
         variables = recompute_candidates(seq, self._recompute_gpu, eligible=eligible)
         if not variables:
-            return None, None
+            return None
         rc = with_recompute(seq, variables)
         try:
             sched = scheduler.schedule(rc.sequence)
             sched.recompute = rc
             sched.check(seq, self.budget)
-        except ScheduleError as error:
-            return None, error
+        except ScheduleError:
+            return None       # the plain plan (or on demand) stands
         if base is not None and sched.swap_out_bytes(seq) >= base.swap_out_bytes(seq):
-            return None, None
+            return None
         chains = seq._recompute_chains[2]
         self._rc_chain = {v: chains[v][0] for v in variables}
-        return sched, None
+        return sched
 
     def _droppable_nbytes(self, nbytes) -> bool:
         """Whether a buffer of nbytes can be dropped and mapped again at its own address."""
@@ -159,26 +159,13 @@ class Recomputation:
 
     def _rematerialize(self, buf):
         """Device memory for a dropped buffer at its own address (contents undefined), making
-        room under the budget as a swap-in does."""
-        def attempt():
-            if hasattr(self.swap, "rematerialize"):
-                self.swap.rematerialize(buf.key, stream=self.stream)
-            else:
-                self.allocator.map_backing(buf.ptr, stream=self.stream)
-
-        while True:
-            if self._fits(buf.footprint):
-                try:
-                    attempt()
-                    break
-                except OutOfMemoryError:
-                    if not self._evict_one():
-                        raise
-                    continue
-            if not self._evict_one():
-                self._over_budget(buf.footprint)
-                attempt()
-                break
+        room under the budget as an allocation does."""
+        if hasattr(self.swap, "rematerialize"):
+            self._with_room(buf.footprint,
+                            lambda: self.swap.rematerialize(buf.key, stream=self.stream))
+        else:
+            self._with_room(buf.footprint,
+                            lambda: self.allocator.map_backing(buf.ptr, stream=self.stream))
         buf.where = "resident"
         self._track(buf)
 
@@ -186,13 +173,7 @@ class Recomputation:
     def _recompute_now(self, buf):
         """Recomputes a dropped buffer: its memory back, its chain re-run on its inputs (made
         resident on demand), none of which changed since the chain ran."""
-        chain, inputs = self._dropped.pop(buf.id)
-        for i in inputs:
-            deps = self._dependents.get(i)
-            if deps is not None:
-                deps.discard(buf.id)
-                if not deps:
-                    del self._dependents[i]
+        chain = self._take_dropped(buf)
         saved = self._current
         try:
             self._rematerialize(buf)
@@ -223,13 +204,19 @@ class Recomputation:
         buffer itself has nothing left to keep."""
         self._before_writes([buf])
         if buf.where == "dropped":
-            chain, inputs = self._dropped.pop(buf.id)
-            for i in inputs:
-                deps = self._dependents.get(i)
-                if deps is not None:
-                    deps.discard(buf.id)
-                    if not deps:
-                        del self._dependents[i]
+            self._take_dropped(buf)
+
+    def _take_dropped(self, buf):
+        """Forgets what dropped ``buf`` remembers (its inputs no longer guard it); returns its
+        chain."""
+        chain, inputs = self._dropped.pop(buf.id)
+        for i in inputs:
+            deps = self._dependents.get(i)
+            if deps is not None:
+                deps.discard(buf.id)
+                if not deps:
+                    del self._dependents[i]
+        return chain
 
     def _recompute_all(self):
         for bid in list(self._dropped):

@@ -87,7 +87,7 @@ class Recording:
                 self.last_schedule_error = error
             if self.recompute and scheduler is not None and self.budget is not None:
                 # Recompute instead of swapping where it moves fewer bytes (or fits at all).
-                rc, _ = self._recompute_plan(seq, scheduler, self._schedule)
+                rc = self._recompute_plan(seq, scheduler, self._schedule)
                 if rc is not None:
                     self._schedule = rc
                     self.last_schedule_error = None
