@@ -3,6 +3,8 @@ small-block arena, stream-ordered reuse and exact accounting."""
 
 import ctypes
 import random
+import threading
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -583,23 +585,39 @@ def test_completed_free_is_preferred_for_another_stream():
 
 
 def test_unmapping_waits_for_the_freeing_stream():
-    # Unchecked: the assertion below needs the 16-byte copy still queued when the allocator
-    # looks, a race that checked mode's slower frees (mprotect) make it lose about 1 run in 6.
-    dev = vmalloc.HostDevice(capacity="8MiB", checked=False)
+    # The copy must still be queued when the allocator looks: a hold keeps it queued (without
+    # one the copy often finishes first on a slow machine and nothing is left to wait for). The
+    # allocation then has to block, so it runs on a thread, and the hold is released once the
+    # allocator has entered its wait, seen by the counter (counted work, no timing).
+    dev = vmalloc.HostDevice(capacity="8MiB")
     va = vmalloc.VirtualAllocator(dev)
     a = dev.create_stream()
     x = va.allocate(4 * MiB, a)
     z = va.allocate(4 * MiB, a)
-    dev.write(x + 4 * MiB - 16, b"P1" * 8, a)
     out = pinned(dev, 16)
+    dev.write(x + 4 * MiB - 16, b"P1" * 8, a)  # synchronous
+    hold = dev.hold_stream(a)
     dev.copy_to_host(out, x + 4 * MiB - 16, 16, a)
     va.deallocate(x, 4 * MiB, a)
     va.deallocate(z, 4 * MiB, a)
-    # 8 MiB: no cached range is large enough, so both are stolen, which unmaps them: the
-    # allocator must first wait for the copy queued on `a`.
-    y = va.allocate(8 * MiB, a)
+    waits = dev.counters()["event_synchronize"]
+    result = {}
+
+    def allocate():
+        # 8 MiB: no cached range is large enough, so both are stolen, which unmaps them: the
+        # allocator must first wait for the copy queued on `a`.
+        result["y"] = va.allocate(8 * MiB, a)
+
+    worker = threading.Thread(target=allocate)
+    worker.start()
+    while worker.is_alive() and dev.counters()["event_synchronize"] == waits:
+        time.sleep(0.001)
+    entered_wait = dev.counters()["event_synchronize"] > waits
+    dev.release_hold(hold)
+    worker.join()
+    assert entered_wait  # it waited for the stream rather than unmapping under the copy
     assert va.chunk_stats()["chunks_stolen"] == 4
-    assert dev.counters()["event_synchronize"] >= 1
+    y = result["y"]
     dev.write(y, b"\0" * (8 * MiB))
     dev.synchronize()
     assert host_bytes(out, 16) == b"P1" * 8
