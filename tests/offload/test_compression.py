@@ -7,7 +7,7 @@ import struct
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import vmalloc
@@ -259,6 +259,11 @@ def test_torch_poison_backend_compresses_float32_storages():
        ops=st.lists(st.tuples(st.sampled_from(["alloc32", "alloc64", "evict", "read", "free",
                                                "forget"]),
                               st.integers(0, 7), st.integers(1, 3)), max_size=25))
+# A draw that failed off the CI profile: reading one buffer in the final loop compressed
+# another that the model had not noted (the model's bug, not the runtime's).
+@example(kind="virtual", fmt="fp16",
+         ops=[("alloc32", 0, 1), ("alloc32", 0, 1), ("alloc32", 0, 1), ("alloc32", 0, 2),
+              ("alloc32", 0, 3)])
 def test_any_swaps_read_back_the_values_or_their_cast(kind, fmt, ops):
     """Model: a float32 buffer reads its values, or their round trip once any of its swap-outs
     was compressed; every other buffer reads its exact bytes."""
@@ -317,6 +322,7 @@ def test_any_swaps_read_back_the_values_or_their_cast(kind, fmt, ops):
                 rt.swap.deallocate(ptr)
         note()
     for entry in list(live):
+        note()   # reading the previous entry may have compressed this one
         check(entry)
         rt.deallocate(entry[0])
     rt.end_iteration()
