@@ -34,7 +34,9 @@ bool HostDeviceState::operator==(const HostDeviceState& o) const noexcept {
          bytes_accessible == o.bytes_accessible && host_allocations == o.host_allocations &&
          host_bytes == o.host_bytes && streams == o.streams && events == o.events &&
          vmas == o.vmas && live_allocations == o.live_allocations &&
-         bytes_guarded == o.bytes_guarded && unguarded_frees == o.unguarded_frees;
+         bytes_guarded == o.bytes_guarded && unguarded_frees == o.unguarded_frees &&
+         guard_runs == o.guard_runs && guard_runs_cap == o.guard_runs_cap &&
+         guards_recycled == o.guards_recycled;
 }
 
 std::string HostDeviceState::summary() const {
@@ -53,6 +55,7 @@ HostDevice::HostDevice(const HostDeviceOptions& options)
       page_size_(static_cast<std::size_t>(::sysconf(_SC_PAGESIZE))),
       backed_(options.backed),
       ordinal_(options.ordinal),
+      checked_guard_runs_(options.checked_guard_runs),
       next_fake_address_(fake_address_base) {
   // page_size_ is a power of two, so this is "a power-of-two multiple of the page size".
   if (!is_pow2(granularity_) || granularity_ < page_size_)
@@ -112,6 +115,9 @@ HostDeviceState HostDevice::state_locked() const {
     s.live_allocations = checked_->live.size();
     s.bytes_guarded = checked_->bytes_guarded;
     s.unguarded_frees = checked_->unguarded_frees;
+    s.guard_runs = checked_->guarded.size();
+    s.guard_runs_cap = guard_runs_cap();
+    s.guards_recycled = checked_->guards_recycled;
   }
   return s;
 }

@@ -267,6 +267,9 @@ void HostDevice::guard_freed(device_ptr lo, device_ptr hi) noexcept {
       for (const auto& [alo, ahi] : m->second.access) {
         const device_ptr a = std::max(plo, m->first + alo), b = std::min(phi, m->first + ahi);
         if (a >= b) continue;
+        // At the cap, the oldest run opens first (host_device_guards.cpp).
+        while (c.guarded.size() >= guard_runs_cap() && recycle_oldest_guard()) {
+        }
         try {
           reserve_vmas(2, DriverCall::set_access);  // a run splits its VMA in three at most
         } catch (...) {
@@ -292,6 +295,7 @@ void HostDevice::guard_freed(device_ptr lo, device_ptr hi) noexcept {
           }
           c.guarded.emplace(glo, ghi);
           c.bytes_guarded += ghi - glo;
+          note_guard(a, b);
         } catch (...) {
           ::mprotect(reinterpret_cast<void*>(a), b - a, PROT_READ | PROT_WRITE);
           left_open = true;

@@ -33,16 +33,24 @@ std::size_t HostDevice::process_vmas() noexcept { return vmalloc::vmas_held.load
 void HostDevice::reserve_vmas(std::size_t more, DriverCall call) {
   if (!backed_ || more == 0) return;
   std::size_t current = vmas_held.load();
-  do {
+  for (;;) {
     const std::size_t limit = process_vma_limit.load();
-    if (current + more > limit)
-      fail(call,
-           "the process would hold more than " + std::to_string(limit) +
-               " memory mappings (vm.max_map_count minus headroom; " +
-               std::to_string(current) + " held by emulated devices): use a larger " +
-               "granularity or fewer, larger chunks",
-           cu_result::out_of_memory);
-  } while (!vmas_held.compare_exchange_weak(current, current + more));
+    if (current + more <= limit) {
+      if (vmas_held.compare_exchange_weak(current, current + more)) break;
+      continue;  // `current` reloaded
+    }
+    // Checked mode's guards give way to the program's mappings, oldest first: they are a
+    // check, and spending the budget on them failed allocations (host_device_guards.cpp).
+    if (recycle_oldest_guard()) {
+      current = vmas_held.load();
+      continue;
+    }
+    fail(call,
+         "the process would hold more than " + std::to_string(limit) +
+             " memory mappings (vm.max_map_count minus headroom; " + std::to_string(current) +
+             " held by emulated devices): use a larger granularity or fewer, larger chunks",
+         cu_result::out_of_memory);
+  }
   vmas_ += more;
 }
 

@@ -8,6 +8,8 @@
 // the manager existed), the Watcher is told of each free before the upstream makes it: a
 // record left behind would leak the host copy, refuse the next allocation at that address
 // and break swap_in_all.
+#include <algorithm>
+#include <exception>
 #include <shared_mutex>
 
 #include "vmalloc/base/detail/format.hpp"
@@ -69,6 +71,77 @@ void SwapManager::upstream_deallocate(device_ptr ptr, std::size_t nbytes, stream
   t_freeing = outer;
 }
 
+void SwapManager::free_unlocked(std::unique_lock<std::mutex>& lock, device_ptr ptr,
+                                std::size_t nbytes, stream_t stream) {
+  lock.unlock();
+  try {
+    upstream_deallocate(ptr, nbytes, stream);
+  } catch (...) {
+    lock.lock();
+    throw;
+  }
+  lock.lock();
+}
+
+void SwapManager::free_busy(std::unique_lock<std::mutex>& lock, Record& r, device_ptr ptr,
+                            stream_t stream) {
+  r.busy = true;  // other calls leave it alone while the mutex is released; the node stays
+  try {
+    free_unlocked(lock, ptr, r.nbytes, stream);
+  } catch (...) {
+    r.busy = false;
+    throw;
+  }
+  r.busy = false;
+}
+
+bool SwapManager::queued_free(device_ptr ptr) const noexcept {
+  for (const UpstreamFree& f : frees_)
+    if (f.ptr == ptr) return true;
+  return false;
+}
+
+void SwapManager::flush_frees(std::unique_lock<std::mutex>& lock, bool rethrow) {
+  if (!lock.owns_lock()) lock.lock();
+  std::exception_ptr error;
+  std::vector<device_ptr> failed;  // tried by this call: left for the next one
+  // Entries stay in frees_ while they are freed (flushing), so that find() still knows the
+  // memory as released; another thread's flush leaves them alone.
+  for (;;) {
+    auto it = std::find_if(frees_.begin(), frees_.end(),
+                           [&](const UpstreamFree& f) {
+                             return !f.flushing &&
+                                    std::find(failed.begin(), failed.end(), f.ptr) == failed.end();
+                           });
+    if (it == frees_.end()) break;
+    it->flushing = true;
+    const UpstreamFree f = *it;
+    bool freed = true;
+    lock.unlock();
+    try {
+      upstream_deallocate(f.ptr, f.nbytes, f.stream);
+    } catch (...) {
+      freed = false;
+      if (!error) error = std::current_exception();
+    }
+    lock.lock();
+    it = std::find_if(frees_.begin(), frees_.end(),
+                      [&](const UpstreamFree& g) { return g.ptr == f.ptr && g.flushing; });
+    if (it == frees_.end()) continue;
+    if (freed) {
+      frees_.erase(it);
+    } else {
+      it->flushing = false;  // tried again by the next call
+      try {
+        failed.push_back(f.ptr);
+      } catch (...) {
+        break;
+      }
+    }
+  }
+  if (rethrow && error) std::rethrow_exception(error);
+}
+
 SwapManager::Record* SwapManager::settled(std::unique_lock<std::mutex>& lock, device_ptr ptr,
                                           const char* operation) {
   Record* r = find(ptr);
@@ -106,22 +179,27 @@ void SwapManager::deallocate(device_ptr ptr, std::size_t nbytes, stream_t stream
   if (observe_free(ptr, nbytes, stream)) return;  // a manager over this one took it
   if (ptr == 0) return;
   std::unique_lock<std::mutex> lock(mutex_);
+  FlushOnExit flush(*this, lock);
   poll_locked(false);
   Record* r = settled(lock, ptr, "deallocate");
   if (r == nullptr) {
-    upstream_deallocate(ptr, nbytes, stream);  // resident: the upstream's own
+    // Resident: the upstream's own, freed with the mutex released, and seen by this
+    // manager's Watcher too (a swap_out another thread started meanwhile is resolved there).
+    lock.unlock();
+    allocator_->deallocate(ptr, nbytes, stream);
     return;
   }
   check_size(ptr, nbytes, r->nbytes);
   if (r->device_held)
-    upstream_deallocate(r->device_addr, r->nbytes, stream);
+    free_busy(lock, *r, r->device_addr, stream);
   else if (!r->relocating)
-    upstream_deallocate(r->key, r->nbytes, stream);  // the unbacked range
+    free_busy(lock, *r, r->key, stream);  // the unbacked range
   drop(*r);
 }
 
 bool SwapManager::before_upstream_free(device_ptr ptr, std::size_t nbytes, stream_t stream) {
   std::unique_lock<std::mutex> lock(mutex_);
+  FlushOnExit flush(*this, lock);
   poll_locked(false);
   // A relocated allocation's old address names it only while no live allocation has it
   // (find): a free of a live allocation there is that allocation's, passed through.
@@ -133,7 +211,7 @@ bool SwapManager::before_upstream_free(device_ptr ptr, std::size_t nbytes, strea
   // elsewhere (a relocating swap-in rolled back) is freed here; on host there is none.
   bool taken = true;
   if (r->device_held && r->device_addr != ptr)
-    upstream_deallocate(r->device_addr, r->nbytes, stream);
+    free_busy(lock, *r, r->device_addr, stream);
   else if (r->device_held || !r->relocating)
     taken = false;
   drop(*r);
@@ -142,13 +220,14 @@ bool SwapManager::before_upstream_free(device_ptr ptr, std::size_t nbytes, strea
 
 bool SwapManager::discard(device_ptr ptr) {
   std::unique_lock<std::mutex> lock(mutex_);
+  FlushOnExit flush(*this, lock);
   poll_locked(false);
   Record* r = settled(lock, ptr, "discard");
   if (r == nullptr) return false;
   // In flight the held memory is the allocation itself (its owner's); on host a relocating
   // record holds memory only after a failed rollback, and nobody else knows of it.
   if (r->relocating && r->device_held && r->state == SwapState::on_host)
-    upstream_deallocate(r->device_addr, r->nbytes, r->stream);
+    free_busy(lock, *r, r->device_addr, r->stream);
   drop(*r);
   return true;
 }
@@ -162,6 +241,11 @@ std::size_t SwapManager::allocation_size(device_ptr ptr) const {
 std::vector<std::pair<device_ptr, std::size_t>> SwapManager::live_allocations() const {
   auto live = allocator_->live_allocations();
   std::lock_guard<std::mutex> lock(mutex_);
+  // Memory released but not yet given back (flush_frees) is nobody's allocation.
+  if (!frees_.empty())
+    live.erase(std::remove_if(live.begin(), live.end(),
+                              [&](const auto& e) { return queued_free(e.first); }),
+               live.end());
   for (const auto& e : records_)
     if (e.second.relocating && !e.second.device_held) live.emplace_back(e.first, e.second.nbytes);
   return live;

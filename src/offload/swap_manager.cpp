@@ -99,7 +99,11 @@ SwapManager::SwapManager(std::shared_ptr<Allocator> allocator, const SwapManager
 
 SwapManager::~SwapManager() {
   unwatch();  // first, without the mutex: a free in progress in the Watcher takes it
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
+  try {
+    flush_frees(lock, false);  // memory released by a poll goes back to the upstream
+  } catch (...) {
+  }
   // Copies in flight read or write host blocks: they must finish before the blocks go.
   try {
     device_->synchronize();
@@ -119,6 +123,7 @@ SwapManager::Record* SwapManager::find(device_ptr ptr) {
   auto r = records_.find(a->second);
   if (r == records_.end()) return nullptr;
   if (r->second.device_held && r->second.device_addr == ptr) return &r->second;
+  if (queued_free(ptr)) return &r->second;  // released, its free not yet made (flush_frees)
   // Released: the old address names the record unless the allocator gave it to a live
   // allocation meanwhile (which it then names).
   try {
@@ -165,9 +170,10 @@ void SwapManager::wait_unlocked(std::unique_lock<std::mutex>& lock, event_t even
 
 void SwapManager::release_out(device_ptr ptr, Record& r) {
   // The copy has completed, and it was ordered after the caller's work before swap_out: no
-  // work uses the memory any more, so no further host wait.
+  // work uses the memory any more, so no further host wait. A relocating one's memory goes
+  // back to the upstream once the mutex is released (flush_frees: the lock order).
   if (r.relocating)
-    upstream_deallocate(r.device_addr, r.nbytes, r.stream);
+    frees_.push_back(UpstreamFree{r.device_addr, r.nbytes, r.stream});  // may throw: no change
   else
     chunks_->unmap_backing(ptr, r.stream, /*synchronize=*/false);
   r.device_held = false;
@@ -267,6 +273,7 @@ void SwapManager::wait_for_swap_ins(std::unique_lock<std::mutex>& lock) {
 
 device_ptr SwapManager::swap_out(device_ptr ptr, stream_t stream) {
   std::unique_lock<std::mutex> lock(mutex_);
+  FlushOnExit flush(*this, lock);
   poll_locked(false);
   if (Record* r = find(ptr)) {
     check_not_busy(ptr, *r, "swap_out");
@@ -371,6 +378,7 @@ device_ptr SwapManager::swap_out_locked(device_ptr ptr, stream_t stream) {
 
 device_ptr SwapManager::swap_in(device_ptr ptr, stream_t stream) {
   std::unique_lock<std::mutex> lock(mutex_);
+  FlushOnExit flush(*this, lock);
   poll_locked(false);
   return swap_in_locked(ptr, stream, lock);
 }
@@ -432,6 +440,7 @@ device_ptr SwapManager::swap_in_locked(device_ptr ptr, stream_t stream,
         if (still->state == SwapState::swapping_out && !still->busy && still->device_held)
           release_out(oldest, *still);
       }
+      flush_frees(lock, false);  // the released memory back to the upstream (r is busy)
     }
   }
   const device_ptr p = r->device_addr;
@@ -455,7 +464,7 @@ device_ptr SwapManager::swap_in_locked(device_ptr ptr, stream_t stream,
     try {
       if (queued) device_->synchronize_stream(h2d_.handle);
       if (r->relocating)
-        upstream_deallocate(p, r->nbytes, stream);
+        free_unlocked(lock, p, r->nbytes, stream);  // r is busy (Unbusy)
       else
         chunks_->unmap_backing(r->key, stream, /*synchronize=*/false);
       r->device_held = false;
@@ -494,6 +503,7 @@ device_ptr SwapManager::swap_in_locked(device_ptr ptr, stream_t stream,
 
 void SwapManager::wait(device_ptr ptr, stream_t stream) {
   std::unique_lock<std::mutex> lock(mutex_);
+  FlushOnExit flush(*this, lock);
   poll_locked(false);
   Record* r = find(ptr);
   if (r == nullptr) {
@@ -508,10 +518,12 @@ void SwapManager::wait(device_ptr ptr, stream_t stream) {
   if (r->state != SwapState::swapping_out) return;  // on host: nothing in flight
   wait_busy(lock, *r);
   if (r->state == SwapState::swapping_out) release_out(ptr, *r);
+  flush_frees(lock, true);  // released: its memory is back with the upstream, or this throws
 }
 
 SwapState SwapManager::state(device_ptr ptr) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
+  FlushOnExit flush(*this, lock);
   poll_locked(false);
   if (const Record* r = find(ptr)) return r->state;
   allocator_->allocation_size(ptr);  // InvalidPointer for an unknown pointer
@@ -519,8 +531,11 @@ SwapState SwapManager::state(device_ptr ptr) {
 }
 
 std::size_t SwapManager::poll() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return poll_locked(true);
+  std::unique_lock<std::mutex> lock(mutex_);
+  FlushOnExit flush(*this, lock);
+  const std::size_t changed = poll_locked(true);
+  flush_frees(lock, true);
+  return changed;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -529,6 +544,7 @@ std::size_t SwapManager::poll() {
 std::size_t SwapManager::swap_out_all(stream_t stream,
                                       std::vector<std::pair<device_ptr, device_ptr>>* keys) {
   std::unique_lock<std::mutex> lock(mutex_);
+  FlushOnExit flush(*this, lock);
   poll_locked(false);
   wait_for_swap_ins(lock);
   auto live = allocator_->live_allocations();
@@ -539,7 +555,7 @@ std::size_t SwapManager::swap_out_all(stream_t stream,
   pairs.reserve(live.size());
   try {
     for (const auto& e : live) {
-      if (find(e.first) != nullptr) continue;  // already out (or on its way)
+      if (find(e.first) != nullptr || queued_free(e.first)) continue;  // out, or released
       const device_ptr key = swap_out_locked(e.first, stream);
       started.push_back(key);
       pairs.emplace_back(e.first, key);
@@ -563,6 +579,7 @@ std::size_t SwapManager::swap_out_all(stream_t stream,
 std::size_t SwapManager::swap_in_all(stream_t stream,
                                      std::vector<std::pair<device_ptr, device_ptr>>& moved) {
   std::unique_lock<std::mutex> lock(mutex_);
+  FlushOnExit flush(*this, lock);
   poll_locked(false);
   std::vector<std::pair<std::uint64_t, device_ptr>> order;
   for (auto& e : records_)

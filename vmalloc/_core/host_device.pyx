@@ -85,8 +85,11 @@ cdef class HostDevice(Device):
         ``host_bytes``, ``streams`` (created, the default stream not counted), ``events`` and
         ``vmas`` (kernel memory mappings held, an upper bound; 0 when unbacked); in checked
         mode also ``live_allocations`` (what allocators said is live), ``bytes_guarded``
-        (freed bytes made inaccessible, whole pages) and ``unguarded_frees`` (frees left open
-        because the process's memory-mapping budget was spent).
+        (freed bytes made inaccessible, whole pages), ``unguarded_frees`` (frees left open
+        because the process's memory-mapping budget was spent), ``guard_runs`` (guarded page
+        runs now, each up to two kernel mappings), ``guard_runs_cap`` (the most at a time:
+        ``vma_limit() // 8``) and ``guards_recycled`` (runs opened again, oldest first, to stay
+        under the cap or to make room for a mapping).
 
         Two snapshots compare equal when nothing changed in between: tests use this to show
         that a refused call left the device as it was.
@@ -114,6 +117,9 @@ cdef class HostDevice(Device):
             state["live_allocations"] = s.live_allocations
             state["bytes_guarded"] = s.bytes_guarded
             state["unguarded_frees"] = s.unguarded_frees
+            state["guard_runs"] = s.guard_runs
+            state["guard_runs_cap"] = s.guard_runs_cap
+            state["guards_recycled"] = s.guards_recycled
         return state
 
     def write(self, ptr, data, stream=0):

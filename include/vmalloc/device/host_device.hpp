@@ -38,6 +38,9 @@ struct HostDeviceOptions {
   // raises SIGSEGV (reported with the freed allocation) and a copy there is refused. Ignored
   // when not backed.
   bool checked = false;
+  // Checked mode: the most guarded runs at a time (each costs up to two kernel mappings);
+  // past it the oldest is opened again. 0: vma_limit() / 8 (a quarter of the budget).
+  std::size_t checked_guard_runs = 0;
 };
 
 // A consistent snapshot of the device's books, for tests ("a rejected call changed nothing")
@@ -59,6 +62,9 @@ struct HostDeviceState {
   std::size_t live_allocations = 0;       // checked mode: allocations allocators said are live
   std::size_t bytes_guarded = 0;          // checked mode: freed pages made inaccessible
   std::size_t unguarded_frees = 0;        // checked mode: frees left open (VMA budget spent)
+  std::size_t guard_runs = 0;             // checked mode: guarded page runs now
+  std::size_t guard_runs_cap = 0;         // checked mode: the most runs at a time
+  std::size_t guards_recycled = 0;        // checked mode: runs opened to stay under the cap
 
   bool operator==(const HostDeviceState& o) const noexcept;
   bool operator!=(const HostDeviceState& o) const noexcept { return !(*this == o); }
@@ -179,12 +185,19 @@ class HostDevice : public Device {
   void copy_through_memfd(const CopyJob& job, std::size_t off, std::size_t n) const;
   void memfd_io(device_ptr ptr, unsigned char* buf, std::size_t n, bool write) const;
   void reserve_vmas_unchecked(std::size_t more) noexcept;
+  // The guard budget (host_device_guards.cpp).
+  std::size_t guard_runs_cap() const noexcept;
+  // Opens the oldest guarded run (its VMAs go back); false when none is left.
+  bool recycle_oldest_guard() noexcept;
+  // Queues a guarded piece [lo, hi) for recycling.
+  void note_guard(device_ptr lo, device_ptr hi) noexcept;
 
   const std::size_t capacity_;
   const std::size_t granularity_;
   const std::size_t page_size_;
   const bool backed_;
   const int ordinal_;
+  const std::size_t checked_guard_runs_;
 
   mutable std::shared_mutex mutex_;  // the books below and the address map they describe
   std::unique_ptr<detail::MemfdArena> arena_;

@@ -18,7 +18,14 @@
 // callback), drops the record and the host copy at once, waiting for a copy in flight; the
 // device memory goes to whoever still holds it. discard() forgets one without a free.
 //
-// Thread-safe: one mutex, never held while the host waits for the device.
+// Thread-safe: one mutex, never held while the host waits for the device, nor while the
+// manager calls its upstream's deallocate. Lock order: a manager's mutex may be taken with
+// no lock or with its upstream's observers running (a free of another manager on the same
+// upstream reaches this one's Watcher), so it is never held across a call that runs them:
+// the upstream's deallocate. Two managers over one allocator deadlocked without that rule
+// (each freed under its own mutex and waited in the other's Watcher). Memory a poll finds
+// ready to release is queued (frees_) and freed once the mutex is released; until then it is
+// still live in the upstream, but no allocation's: the record's old address still names it.
 #pragma once
 
 #include <cstddef>
@@ -154,6 +161,30 @@ class SwapManager final : public Allocator {
     device_ptr old_addr = 0;   // relocating: the device address it had, an alias_ entry
   };
   class Watcher;  // the FreeObserver on the upstream (swap_free.cpp)
+  struct UpstreamFree {  // a release decided under the mutex, made once it is released
+    device_ptr ptr;
+    std::size_t nbytes;
+    stream_t stream;
+    bool flushing = false;  // a flush_frees is freeing it now (the mutex released)
+  };
+  // Every public call that polls makes the queued frees as it returns, also when it throws.
+  class FlushOnExit {
+   public:
+    FlushOnExit(SwapManager& owner, std::unique_lock<std::mutex>& lock)
+        : owner_(owner), lock_(lock) {}
+    ~FlushOnExit() {
+      try {
+        owner_.flush_frees(lock_, false);
+      } catch (...) {
+      }
+    }
+    FlushOnExit(const FlushOnExit&) = delete;
+    FlushOnExit& operator=(const FlushOnExit&) = delete;
+
+   private:
+    SwapManager& owner_;
+    std::unique_lock<std::mutex>& lock_;
+  };
   struct Zombie {  // a cancelled swap-out's host block, freed once its copy completes
     void* host;
     event_t done;
@@ -199,8 +230,18 @@ class SwapManager final : public Allocator {
   // Registers the Watcher on the upstream / removes it and waits for calls in progress.
   void watch();
   void unwatch() noexcept;
-  // allocator_->deallocate, unobserved by this manager's own Watcher (no re-entry).
+  // allocator_->deallocate, unobserved by this manager's own Watcher (no re-entry). Never
+  // with mutex_ held (the lock order above).
   void upstream_deallocate(device_ptr ptr, std::size_t nbytes, stream_t stream);
+  // upstream_deallocate with the mutex released meanwhile (relocked, also when it throws);
+  // the record the caller works on must be busy (free_busy marks it).
+  void free_unlocked(std::unique_lock<std::mutex>& lock, device_ptr ptr, std::size_t nbytes,
+                     stream_t stream);
+  void free_busy(std::unique_lock<std::mutex>& lock, Record& r, device_ptr ptr,
+                 stream_t stream);
+  // Makes the queued frees (frees_) with the mutex released; returns locked. A failed free
+  // stays queued for the next call (the memory is never dropped); `rethrow` raises its error.
+  void flush_frees(std::unique_lock<std::mutex>& lock, bool rethrow);
   // The record of `ptr` with no copy in flight (waited for, the mutex released meanwhile),
   // or nullptr if untracked. Throws for a record another thread works on.
   Record* settled(std::unique_lock<std::mutex>& lock, device_ptr ptr, const char* operation);
@@ -221,6 +262,8 @@ class SwapManager final : public Allocator {
   std::map<device_ptr, Record> records_;  // every allocation not resident
   std::map<device_ptr, device_ptr> alias_;  // old device address -> key (relocating)
   std::vector<Zombie> zombies_;
+  std::vector<UpstreamFree> frees_;  // released by a poll, not yet given to the upstream
+  bool queued_free(device_ptr ptr) const noexcept;  // whether frees_ holds `ptr`
   std::uint64_t seq_ = 0;
   SwapStats stats_;
 };

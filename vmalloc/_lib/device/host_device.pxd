@@ -31,6 +31,9 @@ cdef extern from "vmalloc/device/host_device.hpp" namespace "vmalloc" nogil:
         size_t live_allocations
         size_t bytes_guarded
         size_t unguarded_frees
+        size_t guard_runs
+        size_t guard_runs_cap
+        size_t guards_recycled
 
     cdef cppclass CHostDevice "vmalloc::HostDevice"(CDevice):
         CHostDevice(const CHostDeviceOptions& options) except +vmalloc_raise_py_error

@@ -6,9 +6,11 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <iterator>
 #include <map>
 #include <string>
+#include <utility>
 
 #include "vmalloc/base/detail/format.hpp"
 #include "vmalloc/device/host_device.hpp"
@@ -92,6 +94,10 @@ struct HostDevice::Checked {
   std::size_t bytes_guarded = 0;
   std::size_t vmas = 0;                      // VMAs reserved for the guards: 2 per run
   std::size_t unguarded_frees = 0;
+  // Guarded pieces, oldest first, for recycling (host_device_guards.cpp); some may have been
+  // opened since (skipped when they reach the front).
+  std::deque<std::pair<device_ptr, device_ptr>> order;
+  std::size_t guards_recycled = 0;           // runs opened to stay under the cap or budget
 };
 
 }  // namespace vmalloc
