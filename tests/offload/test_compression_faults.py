@@ -39,6 +39,7 @@ ALLOCATORS = {
     "virtual-packed": lambda d: vmalloc.VirtualAllocator(d, chunk_size="64KiB",
                                                          placement="packed"),
     "caching": lambda d: vmalloc.CachingAllocator(d),
+    "expandable-segments": lambda d: vmalloc.CachingAllocator(d, expandable_segments=True),
 }
 
 CALLS = {
@@ -79,12 +80,17 @@ class Proxy:
         return attr
 
 
-VALS = ((np.arange(40 * KiB, dtype=np.float32) - 20 * KiB) / np.float32(977)
-        + np.float32(1e-4))   # 160 KiB: three 64 KiB chunks; every value changes in fp16
+def _values(count):
+    # every value changes in fp16
+    return (np.arange(count, dtype=np.float32) - count / 2) / np.float32(977) + np.float32(1e-4)
+
+
+VALS = _values(40 * KiB)    # 160 KiB: three 64 KiB chunks of its own
+SIZES = {"chunks": 40 * KiB, "small": 250}    # (1000 bytes: a small block, relocated)
 
 
 class World:
-    def __init__(self, kind, monkeypatch, fmt="fp16"):
+    def __init__(self, kind, monkeypatch, fmt="fp16", count=40 * KiB):
         self.dev = vmalloc.HostDevice(capacity="8MiB", granularity="64KiB")
         self.alloc = ALLOCATORS[kind](self.dev)
         self.sw = compressing_swap.CompressingSwap(SwapManager(self.alloc), self.alloc)
@@ -98,13 +104,14 @@ class World:
                                 lambda *a, _n=name, _f=fn, **kw: self.faults.call(_n, _f, *a,
                                                                                    **kw))
         self.fmt = fmt
-        self.n = VALS.nbytes
+        self.vals = _values(count)
+        self.n = self.vals.nbytes
         self.ptr = self.alloc.allocate(self.n)
-        self._floats(self.ptr)[...] = VALS
+        self._floats(self.ptr)[...] = self.vals
         self.key = None
 
     def _floats(self, ptr):
-        return np.ctypeslib.as_array((ctypes.c_float * VALS.size).from_address(ptr))
+        return np.ctypeslib.as_array((ctypes.c_float * self.vals.size).from_address(ptr))
 
     def recover(self):
         """Brings the buffer back resident, whatever state a fault left; checks its values."""
@@ -122,8 +129,8 @@ class World:
                 break
         assert sw.state(self.ptr) == "resident" and self.key is None
         got = self._floats(self.ptr).copy()
-        assert (np.array_equal(got, VALS) or np.array_equal(got, round_trip(VALS, self.fmt))), \
-            "bytes lost"
+        assert (np.array_equal(got, self.vals)
+                or np.array_equal(got, round_trip(self.vals, self.fmt))), "bytes lost"
 
     def teardown(self):
         self.sw.deallocate(self.ptr)
@@ -158,7 +165,18 @@ def _free_on_host(w):
     w.sw.deallocate(w.key)
     w.key = None
     w.ptr = w.alloc.allocate(w.n)    # (the world's buffer again, for the checks)
-    w._floats(w.ptr)[...] = VALS
+    w._floats(w.ptr)[...] = w.vals
+
+
+def _discard_on_host(w):
+    c = w.sw._out[w.key]
+    stable, old = c.stable, c.ptr
+    w.sw.discard(w.key)
+    w.key = None
+    if stable:
+        w.alloc.deallocate(old)      # the owner frees its (unbacked) allocation
+    w.ptr = w.alloc.allocate(w.n)
+    w._floats(w.ptr)[...] = w.vals
 
 
 # name -> (warm_up(world), operation(world))
@@ -167,6 +185,7 @@ SCENARIOS = {
     "swap_in and wait": (_out, _in),
     "cancelled swap-out": (lambda w: None, _cancel),
     "free on host": (_out, _free_on_host),
+    "discard on host": (_out, _discard_on_host),
 }
 
 
@@ -175,11 +194,11 @@ def _sites(before, after):
                                                        after[name] + 1)]
 
 
-def _run(kind, monkeypatch, scenario, fail):
+def _run(kind, size, monkeypatch, scenario, fail):
     """One world with the sites of ``fail`` failing in the operation; returns the sites the
     operation reached and a failure message or None."""
     warm_up, operation = SCENARIOS[scenario]
-    w = World(kind, monkeypatch)
+    w = World(kind, monkeypatch, count=SIZES[size])
     warm_up(w)
     before = dict(w.faults.counts)
     w.faults.fail = {(n, before.get(n, 0) + k) for n, k in fail}
@@ -196,9 +215,9 @@ def _run(kind, monkeypatch, scenario, fail):
         w.recover()
         w.teardown()         # nothing leaked
     except AssertionError as error:
-        return sites, f"{scenario}, {kind}, {fail} failing: {error}"
+        return sites, f"{scenario}, {kind}, {size}, {fail} failing: {error}"
     except Exception as error:  # noqa: BLE001 - anything else is a bug
-        return sites, f"{scenario}, {kind}, {fail} failing: afterwards " \
+        return sites, f"{scenario}, {kind}, {size}, {fail} failing: afterwards " \
                       f"{type(error).__name__}: {error}"
     return sites, None
 
@@ -211,30 +230,31 @@ def _relative(sites, before):
 COUNTS = {}
 
 
+@pytest.mark.parametrize("size", list(SIZES))
 @pytest.mark.parametrize("kind", list(ALLOCATORS))
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_every_call_of_a_compressed_swap_failing_once_and_in_pairs(monkeypatch, scenario,
-                                                                   kind):
-    clean, error = _run(kind, monkeypatch, scenario, ())
+                                                                   kind, size):
+    clean, error = _run(kind, size, monkeypatch, scenario, ())
     assert error is None, error
-    w = World(kind, monkeypatch)
+    w = World(kind, monkeypatch, count=SIZES[size])
     SCENARIOS[scenario][0](w)
     base = dict(w.faults.counts)
     singles = [(n, k - base.get(n, 0)) for n, k in clean]
     assert singles
     failures, pairs = [], set()
     for site in singles:
-        reached, error = _run(kind, monkeypatch, scenario, (site,))
+        reached, error = _run(kind, size, monkeypatch, scenario, (site,))
         if error:
             failures.append(error)
         for second in _relative(reached, base):
             if second != site:
                 pairs.add(tuple(sorted((site, second))))
     for pair in sorted(pairs):
-        _, error = _run(kind, monkeypatch, scenario, pair)
+        _, error = _run(kind, size, monkeypatch, scenario, pair)
         if error:
             failures.append(error)
-    COUNTS[(scenario, kind)] = (len(singles), len(pairs))
+    COUNTS[(scenario, kind, size)] = (len(singles), len(pairs))
     assert not failures, f"{len(failures)} of {len(singles) + len(pairs)} cases:\n" + \
         "\n".join(failures)
 
