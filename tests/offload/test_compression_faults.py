@@ -381,3 +381,41 @@ def test_an_error_on_leaving_out_of_core_never_hides_the_block_error(monkeypatch
     ooc.runtime.restore_all()
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)       # no byte lost: the two steps' weights, bit for bit
+
+
+@pytest.mark.filterwarnings("ignore::vmalloc.offload.BudgetWarning")
+def test_poison_backend_a_failed_poison_and_restore_keeps_the_bytes(monkeypatch):
+    """Poisoning fails, and so does the restore of the bytes copied aside: the swap-out raises
+    the first error, the backend keeps the bytes on the host and the runtime follows it, so
+    the buffer's next use brings them back."""
+    torch = pytest.importorskip("torch")
+    from vmalloc.frameworks.torch_swap import PoisonSwap
+    from vmalloc.offload.runtime import Runtime
+
+    sw = PoisonSwap()
+    t = torch.arange(1 << 16, dtype=torch.float32)
+    s = t.untyped_storage()
+    ptr = s.data_ptr()
+    sw.register(ptr, s)
+    rt = Runtime(None, swap=sw, budget=t.nbytes, scheduler="none")
+    rt.begin_iteration()
+    b = rt.adopt(ptr, t.nbytes)
+    plain_fill = torch.Tensor.fill_
+
+    def fill_(self, value):
+        monkeypatch.setattr(torch.Tensor, "fill_", plain_fill)
+        with torch.no_grad():
+            self[: self.numel() // 2] = 7        # half-poisoned, then the failure
+        raise Injected("poisoning failing")
+    monkeypatch.setattr(torch.Tensor, "fill_", fill_)
+    _failing_byte_copies(monkeypatch, 1)
+    with pytest.raises(Injected, match="poisoning failing"):
+        rt.make_room(t.nbytes)           # evicts b
+    monkeypatch.undo()
+    assert sw.state(ptr) == "on_host" and b.state == "on_host"
+    assert rt.stats()["device_bytes"] == 0
+    with rt.function(reads=[b]):
+        assert torch.equal(t, torch.arange(1 << 16, dtype=torch.float32))
+    rt.forget(b)
+    rt.end_iteration()
+    assert sw.stats()["host_bytes"] == 0

@@ -141,15 +141,18 @@ class PoisonSwap:
 
     def _poison(self, ptr, view):
         """Overwrites a storage whose bytes were copied aside; a failure restores them (and
-        drops the copy): the storage stays resident, unchanged."""
+        drops the copy): the storage stays resident, unchanged; if the restore fails too, the
+        storage is on the host."""
         try:
             view.fill_(255)
-        except BaseException:
+        except BaseException as first:
             try:
                 self._copy_back(view, self._host[ptr])
             except BaseException:
-                self._state[ptr] = "on_host"    # the bytes are kept: swap_in restores them
-                raise
+                # The bytes are kept: on the host, and swap_in restores them (the runtime
+                # follows the backend's state). The first error is the one raised.
+                self._state[ptr] = "on_host"
+                raise first from None
             del self._host[ptr]
             raise
 

@@ -181,18 +181,28 @@ class Compression:
     # --- the primitive, wrapped ------------------------------------------------------------
     def _out(self, buf):
         fmt = self._compress_format(buf)
-        if fmt is None:
-            return super()._out(buf)
         try:
+            if fmt is None:
+                return super()._out(buf)
             buf.key = self.swap.swap_out_compressed(buf.ptr, buf.nbytes, fmt,
                                                     stream=self.stream)
         except BaseException:
-            # A failed swap-out whose own rollback failed leaves the buffer swapping in (its
-            # cast back pending): the runtime follows the backend, so its next use waits.
-            if self.swap.state(buf.ptr) == "swapping_in":
-                buf.key, buf.where = buf.ptr, "swapping_in"
+            self._follow_failed_out(buf)
             raise
         buf.where = "swapping_out"
+
+    def _follow_failed_out(self, buf):
+        """A failed swap-out whose own rollback failed may leave the buffer not resident in
+        the backend (CompressingSwap: swapping in, its cast back pending; the poison backend:
+        on the host): the runtime follows the backend, so the buffer's next use restores it."""
+        try:
+            state = self.swap.state(buf.ptr)
+        except Exception:   # noqa: BLE001 - the swap-out's error is the one raised
+            return
+        if state in ("swapping_out", "on_host", "swapping_in") and buf.where == "resident":
+            buf.key, buf.where = buf.ptr, state
+            if state == "on_host":
+                self._untrack(buf)
 
     def _compression_stats(self, swap):
         """compressed_swap_outs / _ins (the backend's counts) and compression (the format)."""
