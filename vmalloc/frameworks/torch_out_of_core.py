@@ -37,7 +37,7 @@ import weakref
 from vmalloc.errors import InvalidArgumentError
 from vmalloc.frameworks.torch_recompute import AtenRerun, rerunnable
 from vmalloc.frameworks.torch_swap import CudaSwap, PoisonSwap
-from vmalloc.frameworks.torch_state import Readers, Storages, make_mode, predicted_bytes
+from vmalloc.frameworks.torch_state import Kinds, Readers, Storages, make_mode, predicted_bytes
 from vmalloc.offload import aten_ops
 from vmalloc.offload.runtime import Runtime
 
@@ -78,9 +78,11 @@ class OutOfCore:
             ``"swap"`` (as in the paper).
         strict: raise when no schedule fits the budget, instead of warning once and running
             on demand.
-        compress: None (default, lossless), ``"fp16"`` or ``"bf16"``: storages seen only as
-            float32 and transient are swapped in that format, cast on the copy side; they
-            read back cast to float32 (lossy, opt-in; see docs/runtime.rst).
+        compress: None (default, lossless), ``"fp16"`` or ``"bf16"``: activations seen only
+            as float32 are swapped in that format, cast on the copy side; they read back cast
+            to float32 (lossy, opt-in; see docs/runtime.rst). Never a parameter, gradient,
+            optimizer state or a storage that outlives its iteration, and nothing in the
+            first iteration (:class:`~vmalloc.frameworks.torch_state.Kinds`).
     """
 
     def __init__(self, budget=None, scheduler="window", window=None, backend=None,
@@ -127,8 +129,10 @@ class OutOfCore:
         self.runtime = Runtime(alloc, **options)
         self._storages = Storages(self)
         self._readers = Readers(self)
+        self._kinds = Kinds(self) if compress is not None else None
         self._mode = None
         self._hook = None
+        self._pre_hook = None
         self._optimizers = weakref.WeakSet()
         self._manual = False
         self._iteration = 0            # iterations begun
@@ -140,21 +144,40 @@ class OutOfCore:
 
     # --- user API -------------------------------------------------------------------------
     def __enter__(self):
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+        from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                           register_optimizer_step_pre_hook)
         self._peak = None
         self._mode = make_mode(self)
         self._mode.__enter__()
         self._hook = register_optimizer_step_post_hook(self._after_optimizer_step)
+        if self._kinds is not None:
+            self._pre_hook = register_optimizer_step_pre_hook(
+                lambda opt, args, kwargs: self._kinds.before_step(opt))
         self._readers.install()
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        try:
+            self._leave(exc_type, exc, tb)
+        except Exception as error:
+            if exc is None:
+                raise
+            # The block's own error is the one raised; the cleanup's is said beside it.
+            exc.add_note(f"leaving vmalloc.torch.out_of_core also failed: "
+                         f"{type(error).__name__}: {error}")
+            warnings.warn(f"leaving out_of_core after {type(exc).__name__} failed too: "
+                          f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
+        return False
+
+    def _leave(self, exc_type, exc, tb):
         try:
             if self.runtime.in_iteration:
                 self._end_iteration(failed=exc_type is not None)
         finally:
             self._readers.remove()
             self._hook.remove()
+            if self._pre_hook is not None:
+                self._pre_hook.remove()
             self._mode.__exit__(exc_type, exc, tb)
             self._mode = None
             self._storages.collect()
@@ -218,6 +241,8 @@ class OutOfCore:
     def _begin_iteration(self):
         rt = self.runtime
         self._storages.collect()
+        if self._kinds is not None:
+            self._kinds.begin()
         promote = [b for b in self._promote if b.alive]
         self._promote = []
         for t in self._persistent_tensors():
@@ -263,6 +288,8 @@ class OutOfCore:
             warnings.warn(message, category, stacklevel=4)
 
     def _after_optimizer_step(self, optimizer, args, kwargs):
+        if self._kinds is not None:
+            self._kinds.after_step()
         new = optimizer not in self._optimizers
         self._optimizers.add(optimizer)
         if self.runtime.in_iteration and not self._manual:
@@ -316,6 +343,8 @@ class OutOfCore:
             buf = storages.buffer(t.untyped_storage(), dtype=t.dtype)
             if storages.iteration_of(buf) < self._iteration and not buf.persistent:
                 self._promote.append(buf)
+                if self._kinds is not None:
+                    self._kinds.revoke(buf, "unknown")    # outlives its iteration
             if read and buf not in reads:
                 reads.append(buf)
             if written and buf not in writes:
@@ -395,6 +424,8 @@ class OutOfCore:
             if id(buf) not in known:
                 known.add(id(buf))
                 new.append(buf)
+                if self._kinds is not None:
+                    self._kinds.created(buf)
         return new
 
 

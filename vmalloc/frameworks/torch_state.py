@@ -239,3 +239,76 @@ class Readers:
                     budget=False)
                 return
             frame = frame.f_back
+
+
+class Kinds:
+    """Which storages the driver calls activations: the only ones the runtime may compress
+    (``Runtime.set_kind``; every other storage stays ``"unknown"``, never compressed).
+
+    A storage is marked an activation when an op creates it, outside an optimizer step, and
+    only if the storage created at the same position of the previous iteration turned out to
+    be one: it died within its iteration and no optimizer step saw it as a gradient (the
+    pre-step hook takes the mark back from the stepping optimizer's gradients, parameters and
+    state). So the first iteration compresses nothing: the driver does not know yet which
+    storages are parameters, gradients, optimizer state or outlive their iteration."""
+
+    def __init__(self, driver):
+        self.driver = driver
+        self.in_step = 0
+        self.fresh = []        # this iteration's created storages' buffers (None: in a step)
+        self.index = {}        # id(buffer) -> its position in fresh
+        self.revoked = set()   # positions found not to be activations this iteration
+        self.learned = frozenset()   # positions that were activations last iteration
+
+    def begin(self):
+        """At an iteration's start (after the freed storages were collected): learns which
+        positions held activations; a storage that outlived its iteration is no activation."""
+        rt = self.driver.runtime
+        learned = set()
+        for j, buf in enumerate(self.fresh):
+            if buf is None or j in self.revoked:
+                continue
+            if buf.alive:
+                if buf.kind == "activation":
+                    rt.set_kind(buf, "unknown")     # lives across iterations
+            else:
+                learned.add(j)
+        self.learned = frozenset(learned)
+        self.fresh, self.index, self.revoked = [], {}, set()
+
+    def created(self, buf):
+        """An op created the storage of ``buf`` (a new transient buffer)."""
+        j = len(self.fresh)
+        candidate = self.in_step == 0 and not buf.persistent
+        self.fresh.append(buf if candidate else None)
+        self.index[id(buf)] = j
+        if candidate and j in self.learned:
+            self.driver.runtime.set_kind(buf, "activation")
+
+    def revoke(self, buf, kind):
+        j = self.index.get(id(buf))
+        if j is not None:
+            self.revoked.add(j)
+        if buf.alive and buf.kind != kind:
+            self.driver.runtime.set_kind(buf, kind)
+
+    def before_step(self, optimizer):
+        """An optimizer is about to step: what it touches is no activation."""
+        known = self.driver._storages.known
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                for t, kind in ((p, "parameter"), (getattr(p, "grad", None), "gradient")):
+                    if t is not None and self.driver._tracked(t):
+                        buf = known(t.untyped_storage())
+                        if buf is not None:
+                            self.revoke(buf, kind)
+        for state in optimizer.state.values():
+            for v in state.values():
+                if hasattr(v, "untyped_storage") and self.driver._tracked(v):
+                    buf = known(v.untyped_storage())
+                    if buf is not None:
+                        self.revoke(buf, "state")
+        self.in_step += 1
+
+    def after_step(self):
+        self.in_step = max(0, self.in_step - 1)

@@ -77,7 +77,7 @@ class PoisonSwap:
             if view is None:
                 raise InvalidArgumentError(f"swap_out: the storage at {ptr:#x} was freed")
             self._host[ptr] = view.clone()
-            view.fill_(255)
+            self._poison(ptr, view)
         self._state[ptr] = "swapping_out"
         self._stats["bytes_swapped_out"] += view.numel()
         self._stats["swap_outs"] += 1
@@ -94,7 +94,7 @@ class PoisonSwap:
             if view is None:
                 raise InvalidArgumentError(f"swap_out: the storage at {ptr:#x} was freed")
             self._host[ptr] = _as_float32(view).to(_half_dtype(fmt))
-            view.fill_(255)
+            self._poison(ptr, view)
         self._state[ptr] = "swapping_out"
         self._stats["bytes_swapped_out"] += self._host[ptr].numel() * 2
         self._stats["swap_outs"] += 1
@@ -123,11 +123,12 @@ class PoisonSwap:
             view = self._bytes(key)
             if view is None:
                 raise InvalidArgumentError(f"swap_in: the storage at {key:#x} was freed")
-            host = self._host.pop(key)
-            if host.dtype == view.dtype:
-                view.copy_(host)
-            else:
-                _as_float32(view).copy_(host)   # a compressed copy: cast back
+            host = self._host[key]
+            # The host copy goes only once the copy that restores the storage has completed:
+            # a failed copy leaves it on the host, to be swapped in again.
+            self._copy_back(view, host)
+            del self._host[key]
+            if host.dtype != view.dtype:
                 self._stats["compressed_swap_ins"] = \
                     self._stats.get("compressed_swap_ins", 0) + 1
         if state == "swapping_out":
@@ -137,6 +138,31 @@ class PoisonSwap:
             self._stats["bytes_swapped_in"] += host.numel() * host.element_size()
             self._stats["swap_ins"] += 1
         return key
+
+    def _poison(self, ptr, view):
+        """Overwrites a storage whose bytes were copied aside; a failure restores them (and
+        drops the copy): the storage stays resident, unchanged; if the restore fails too, the
+        storage is on the host."""
+        try:
+            view.fill_(255)
+        except BaseException as first:
+            try:
+                self._copy_back(view, self._host[ptr])
+            except BaseException:
+                # The bytes are kept: on the host, and swap_in restores them (the runtime
+                # follows the backend's state). The first error is the one raised.
+                self._state[ptr] = "on_host"
+                raise first from None
+            del self._host[ptr]
+            raise
+
+    @staticmethod
+    def _copy_back(view, host):
+        """Restores a storage (a byte view) from its host copy; casts a compressed one back."""
+        if host.dtype == view.dtype:
+            view.copy_(host)
+        else:
+            _as_float32(view).copy_(host)
 
     def discard(self, key):
         self._host.pop(key, None)

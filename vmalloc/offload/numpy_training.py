@@ -54,8 +54,10 @@ class _Net:
         self.shapes[w.id] = shape
         return w
 
-    def tensor(self, shape):
-        buf = self.rt.allocate(_nbytes(shape), dtype=F32)
+    def tensor(self, shape, kind="activation"):
+        """A transient float32 buffer; an activation (compressible under ``compress``) unless
+        ``kind`` says otherwise (weight gradients: the optimizer step reads them)."""
+        buf = self.rt.allocate(_nbytes(shape), dtype=F32, kind=kind)
         self.shapes[buf.id] = shape
         return buf
 
@@ -111,7 +113,7 @@ class MLP(_Net):
 
     def step(self, x_host, y_host, lr, momentum):
         rt, sizes, batch = self.rt, self.sizes, x_host.shape[0]
-        x = self.tensor((batch, sizes[0]))
+        x = self.tensor((batch, sizes[0]), kind="input")
         y = rt.allocate(batch * 8, dtype=np.int64)   # int64 labels
         with rt.function(writes=[x, y], name="load") as p:
             view(p, x, (batch, sizes[0]))[...] = x_host
@@ -145,7 +147,7 @@ class MLP(_Net):
         for l in range(len(self.weights_) - 1, -1, -1):
             a, b = sizes[l], sizes[l + 1]
             w, inp = self.weights_[l], acts[l]
-            gw = self.tensor((a, b))
+            gw = self.tensor((a, b), kind="gradient")
             with rt.function(reads=[inp, dz], writes=[gw], name=f"linear{l}_grad_w") as p:
                 np.matmul(view(p, inp, (batch, a)).T, view(p, dz, (batch, b)),
                           out=view(p, gw, (a, b)))
@@ -201,7 +203,7 @@ class CNN(_Net):
 
     def step(self, x_host, y_host, lr, momentum):
         rt, s, ch, batch = self.rt, self.size, self.channels, x_host.shape[0]
-        x = self.tensor((batch, s, s, ch[0]))
+        x = self.tensor((batch, s, s, ch[0]), kind="input")
         y = rt.allocate(batch * 8, dtype=np.int64)
         with rt.function(writes=[x, y], name="load") as p:
             view(p, x, (batch, s, s, ch[0]))[...] = x_host
@@ -245,7 +247,7 @@ class CNN(_Net):
                       out=view(p, logits, (batch, self.classes)))
         loss, dlogits = _softmax_xent(rt, self, logits, y, batch, self.classes)
         self.free(logits, y)
-        gfc = self.tensor((f, self.classes))
+        gfc = self.tensor((f, self.classes), kind="gradient")
         dpool = self.tensor((batch, f))
         with rt.function(reads=[pooled, dlogits, self.fc], writes=[gfc, dpool],
                          name="fc_grad") as p:
@@ -269,7 +271,7 @@ class CNN(_Net):
                 g[view(p, z, (batch, s, s, f)) <= 0] = 0
             first = False
             self.free(dr, z)
-            gw = self.tensor((9 * c, f))
+            gw = self.tensor((9 * c, f), kind="gradient")
             with rt.function(reads=[col, dz], writes=[gw], name=f"conv{l}_grad_w") as p:
                 np.matmul(view(p, col, (batch * s * s, 9 * c)).T,
                           view(p, dz, (batch * s * s, f)), out=view(p, gw, (9 * c, f)))

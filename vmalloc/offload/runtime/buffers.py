@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 from vmalloc.errors import InvalidArgumentError, InvalidPointerError, OutOfMemoryError
-from vmalloc.offload.runtime.compression import dtype_name
+from vmalloc.offload.runtime.compression import check_kind, dtype_name
 from vmalloc.sizes import parse_size
 
 
@@ -16,12 +16,16 @@ class Buffer:
 
     ``movable`` is False for memory the framework owns on a placement that relocates on a
     swap (caching, packed, small blocks): the runtime never swaps it out, since its new address
-    would differ from the one the framework frees."""
+    would differ from the one the framework frees.
+
+    ``kind`` is what the driver said it holds (:data:`~vmalloc.offload.runtime.KINDS`):
+    only an ``"activation"`` may be compressed; ``"unknown"`` (the default) never is."""
 
     __slots__ = ("id", "nbytes", "footprint", "ptr", "persistent", "var", "alive", "where",
-                 "key", "movable", "dtype", "_rt")
+                 "key", "movable", "dtype", "kind", "_rt")
 
-    def __init__(self, rt, bid, nbytes, ptr, persistent, movable=True, dtype=None):
+    def __init__(self, rt, bid, nbytes, ptr, persistent, movable=True, dtype=None,
+                 kind="unknown"):
         self._rt = rt
         self.id = bid
         self.nbytes = nbytes
@@ -34,6 +38,7 @@ class Buffer:
         self.key = ptr            # the swap manager's key while out (ptr, or a host handle)
         self.movable = movable
         self.dtype = dtype        # its elements' dtype as the driver said ("float32"), or None
+        self.kind = kind
 
     @property
     def runtime(self):
@@ -72,18 +77,20 @@ class Residency:
     """The residency half of :class:`~vmalloc.offload.Runtime` (a mixin)."""
 
     # --- public: memory ----------------------------------------------------------------------------
-    def allocate(self, nbytes, dtype=None) -> Buffer:
+    def allocate(self, nbytes, dtype=None, kind="unknown") -> Buffer:
         """Device memory the runtime may swap. Outside an iteration it is persistent
         (parameters, optimizer state: allocate once); inside, transient (activations).
-        ``dtype`` (optional): its elements' dtype; only float32 buffers may be compressed."""
+        ``dtype`` (optional): its elements' dtype; ``kind``: what it holds (see
+        :meth:`set_kind`); only float32 activations may be compressed."""
         n = parse_size(nbytes, "nbytes")
+        check_kind(kind)
         if n == 0:
             raise InvalidArgumentError("nbytes must be positive")
         if self._pre_pending:
             self._run_pre_actions()
         ptr = self._allocate_with_eviction(self._footprint(n), n)
         buf = Buffer(self, self._next_id, n, ptr, persistent=not self._in_iteration,
-                     dtype=dtype_name(dtype))
+                     dtype=dtype_name(dtype), kind=kind)
         self._next_id += 1
         self._buffers[buf.id] = buf
         self._track(buf)
@@ -92,14 +99,15 @@ class Residency:
         return buf
 
     def adopt(self, ptr: int, nbytes, persistent: Optional[bool] = None,
-              dtype=None) -> Buffer:
+              dtype=None, kind="unknown") -> Buffer:
         """A buffer for memory the framework allocated itself (a PyTorch storage). Inside an
         iteration it is transient unless ``persistent`` says otherwise; the framework frees
         it, and calls :meth:`forget` once it has. Memory the runtime does not own is never
         relocated: where a swap would move it (caching, packed, small blocks) the buffer is
         tracked but stays resident (``movable`` False; ``stats()["pinned_bytes"]``).
-        ``dtype``: as for :meth:`allocate`."""
+        ``dtype``, ``kind``: as for :meth:`allocate`."""
         n = parse_size(nbytes, "nbytes")
+        check_kind(kind)
         if persistent is None:
             persistent = not self._in_iteration
         try:
@@ -108,7 +116,7 @@ class Residency:
             raise InvalidPointerError(f"adopt: {ptr:#x} is not a live allocation of the "
                                       f"runtime's allocator ({error})") from error
         buf = Buffer(self, self._next_id, n, ptr, persistent=bool(persistent), movable=movable,
-                     dtype=dtype_name(dtype))
+                     dtype=dtype_name(dtype), kind=kind)
         self._next_id += 1
         self._buffers[buf.id] = buf
         self._track(buf)

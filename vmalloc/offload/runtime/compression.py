@@ -1,24 +1,26 @@
-"""Compressed swaps (opt-in, never the default; IBM LMS's HalfComp): a float32 transient buffer
+"""Compressed swaps (opt-in, never the default; IBM LMS's HalfComp): a float32 activation
 is swapped out as fp16 or bf16, so half its bytes cross the link, and cast back to float32 when
 it is swapped in. Lossy by design: a buffer whose swap-out was compressed reads the cast-back
 values afterwards.
 
 Which swap-outs are compressed: only with ``Runtime(compress="fp16" | "bf16")``, only transient
-buffers the driver said are float32 (``allocate(..., dtype=)``, ``adopt(..., dtype=)``,
+buffers the driver marked as activations (``allocate(..., kind="activation")``, ``adopt``'s,
+``set_kind``; the default ``"unknown"`` never is: safe by construction, a parameter, a
+gradient or optimizer state is only compressed if a driver wrongly calls it an activation),
+that the driver said are float32 (``allocate(..., dtype=)``, ``adopt(..., dtype=)``,
 ``note_dtype``; a buffer seen as several dtypes never is) and, while a schedule is followed,
-only the variables in its ``compressed`` set (filled from those dtypes when the iteration is
-recorded). Persistent buffers (parameters, optimizer state) are never compressed.
+only the variables in its ``compressed`` set (those that were still activations when the
+recorded iteration ended). Persistent buffers are never compressed.
 
 How: the runtime asks its swap backend for ``swap_out_compressed(ptr, nbytes, fmt, stream)``;
 the swap-in is the backend's ordinary ``swap_in`` (it knows the key is compressed) and the
 cast back happens when that copy is waited. The PyTorch backends cast with PyTorch on the copy
 side; over the :class:`~vmalloc.offload.SwapManager` on the emulated device,
-:class:`CompressingSwap` (below) casts in place with NumPy and copies the half.
+:class:`~vmalloc.offload.runtime.compressing_swap.CompressingSwap` casts in place with NumPy
+and copies the half.
 """
 
 from __future__ import annotations
-
-import ctypes
 
 from vmalloc.errors import InvalidArgumentError
 
@@ -80,177 +82,23 @@ def round_trip(a, fmt):
     return from_half_bits(to_half_bits(a, fmt), fmt)
 
 
-def _array(ptr, count, ctype):
-    import numpy as np
-    return np.ctypeslib.as_array((ctype * count).from_address(ptr))
+def __getattr__(name):
+    # CompressingSwap lives in its own module (it imports this one's casts).
+    if name == "CompressingSwap":
+        from vmalloc.offload.runtime.compressing_swap import CompressingSwap
+        return CompressingSwap
+    raise AttributeError(name)
 
 
-class CompressingSwap:
-    """A :class:`~vmalloc.offload.SwapManager` over an allocator of a backed
-    :class:`vmalloc.HostDevice`, that also swaps float32 allocations compressed.
+#: What a buffer holds, as its driver says (``Buffer.kind``). Only an ``"activation"`` (a
+#: transient the program writes once and reads back within the iteration) may be compressed;
+#: ``"unknown"`` (the default) never is.
+KINDS = ("unknown", "activation", "gradient", "parameter", "state", "input")
 
-    A compressed swap-out casts the float32 allocation to fp16 / bf16 *in place* (the first
-    half of its bytes; NumPy is the emulated device's cast kernel: device addresses are host
-    addresses there) and copies that half to pinned host memory on the backend's own copy
-    stream; waiting for it releases the allocation's memory (``unmap_backing``: same address,
-    for chunk-owning allocations of the virtual allocator; freed otherwise, and allocated anew
-    on the way back). The swap-in maps the memory again and copies the half back; waiting for
-    it casts back to float32 in place. So the link carries half the bytes, and the device
-    holds exactly what a lossless swap would hold, when it would (no scratch buffer).
-    Lossless swaps are the manager's; its counters include the compressed copies' bytes.
-    """
 
-    def __init__(self, manager, allocator):
-        from vmalloc._core.host_device import HostDevice
-
-        device = allocator.device
-        if not isinstance(device, HostDevice) or not device.backed:
-            raise InvalidArgumentError(
-                f"compress with the SwapManager needs a backed HostDevice (the runtime casts "
-                f"with NumPy on the emulated device); {device!r} is not one: use a backend "
-                "that casts on its own device (vmalloc.torch.out_of_core's)")
-        self.manager = manager
-        self.allocator = allocator
-        self.device = device
-        self._d2h = device.create_stream()
-        self._h2d = device.create_stream()
-        # key (its pinned host copy's address) -> [ptr, nbytes, fmt, pointer-stable, state]
-        self._out = {}
-        self._in = {}     # ptr -> (host address, fmt, nbytes): swapping in
-        self._counts = dict(compressed_swap_outs=0, compressed_swap_ins=0,
-                            compressed_bytes_out=0, compressed_bytes_in=0)
-
-    def __getattr__(self, name):
-        if name.startswith("_") or name == "manager":
-            raise AttributeError(name)      # (never the manager's private state)
-        return getattr(self.manager, name)
-
-    def swap_out_compressed(self, ptr, nbytes, fmt, stream=0):
-        """Starts a compressed swap-out of the float32 allocation at ``ptr`` (after the work
-        queued on ``stream``); returns its key."""
-        if fmt not in FORMATS:
-            raise InvalidArgumentError(f"unknown compression {fmt!r}; choose from {FORMATS}")
-        if nbytes % 4:
-            raise InvalidArgumentError(f"a float32 allocation has a multiple of 4 bytes, not "
-                                       f"{nbytes}")
-        if self.manager.state(ptr) != "resident":
-            raise InvalidArgumentError(f"swap_out: {ptr:#x} is {self.manager.state(ptr)}")
-        count = nbytes // 4
-        stable = not self.manager.relocates(ptr)
-        host = self.device.host_alloc(max(count * 2, 1))
-        # The cast reads what the program wrote: after the compute stream's work.
-        self.device.synchronize_stream(stream)
-        bits = to_half_bits(_array(ptr, count, ctypes.c_float), fmt)
-        _array(ptr, count, ctypes.c_uint16)[...] = bits
-        self.device.copy_to_host(host, ptr, count * 2, stream=self._d2h)
-        self._out[host] = [ptr, nbytes, fmt, stable, "swapping_out"]
-        self._counts["compressed_swap_outs"] += 1
-        self._counts["compressed_bytes_out"] += count * 2
-        return host
-
-    def compressed(self, key):
-        """Whether ``key`` names a compressed copy (out, or in flight back)."""
-        return key in self._out or key in self._in
-
-    def state(self, key):
-        if key in self._in:
-            return "swapping_in"
-        rec = self._out.get(key)
-        return rec[4] if rec is not None else self.manager.state(key)
-
-    def _release(self, rec):
-        """A swap-out's copy is done: the float32 allocation's memory goes."""
-        self.device.synchronize_stream(self._d2h)
-        if rec[3]:
-            self.allocator.unmap_backing(rec[0], stream=self._d2h)
-        else:
-            self.manager.deallocate(rec[0])
-        rec[4] = "on_host"
-
-    def swap_in(self, key, stream=0):
-        rec = self._out.get(key)
-        if rec is None:
-            return self.manager.swap_in(key, stream=stream)
-        ptr, nbytes, fmt, stable, state = rec
-        if state == "swapping_out":
-            # Cancelled: the memory (holding the half) was never released.
-            self.device.synchronize_stream(self._d2h)
-        else:
-            # Memory first: an OutOfMemoryError leaves the copy on the host, nothing changed.
-            if stable:
-                self.allocator.map_backing(ptr, stream=stream)
-            else:
-                ptr = self.manager.allocate(nbytes, stream=stream)
-            self.device.copy_to_device(ptr, key, (nbytes // 4) * 2, stream=self._h2d)
-            self._counts["compressed_bytes_in"] += (nbytes // 4) * 2
-        del self._out[key]
-        self._in[ptr] = (key, fmt, nbytes)
-        return ptr
-
-    def wait(self, key, stream=0):
-        rec = self._out.get(key)
-        if rec is not None:
-            if rec[4] == "swapping_out":
-                self._release(rec)
-            return
-        flight = self._in.pop(key, None)
-        if flight is None:
-            return self.manager.wait(key, stream=stream)
-        host, fmt, nbytes = flight
-        self.device.synchronize_stream(self._h2d)
-        count = nbytes // 4
-        bits = _array(key, count, ctypes.c_uint16).copy()
-        _array(key, count, ctypes.c_float)[...] = from_half_bits(bits, fmt)
-        self.device.host_free(host)
-        self._counts["compressed_swap_ins"] += 1
-
-    def deallocate(self, ptr, stream=0, nbytes=None):
-        rec = self._out.pop(ptr, None)
-        if rec is None:
-            if ptr in self._in:
-                self.wait(ptr, stream=stream)
-            return self.manager.deallocate(ptr, stream=stream, nbytes=nbytes)
-        self.device.synchronize_stream(self._d2h)
-        self.device.host_free(ptr)
-        if rec[3] or rec[4] == "swapping_out":
-            self.manager.deallocate(rec[0], stream=stream)   # (unbacked, or never released)
-
-    def discard(self, key):
-        rec = self._out.pop(key, None)
-        if rec is not None:
-            # The owner frees the float32 allocation; only the host copy is the backend's.
-            self.device.synchronize_stream(self._d2h)
-            self.device.host_free(key)
-            return True
-        if key in self._in:
-            self.wait(key)
-        return self.manager.discard(key)
-
-    def stats(self):
-        out = self.manager.stats()
-        c = self._counts
-        out["bytes_swapped_out"] = out.get("bytes_swapped_out", 0) + c["compressed_bytes_out"]
-        out["bytes_swapped_in"] = out.get("bytes_swapped_in", 0) + c["compressed_bytes_in"]
-        out["swap_outs"] = out.get("swap_outs", 0) + c["compressed_swap_outs"]
-        out["swap_ins"] = out.get("swap_ins", 0) + c["compressed_swap_ins"]
-        out.update(c)
-        # pinned host bytes the compressed copies hold now (beside the manager's pool)
-        out["compressed_host_bytes"] = sum(r[1] // 4 * 2 for r in self._out.values()) + sum(
-            f[2] // 4 * 2 for f in self._in.values())
-        return out
-
-    def __del__(self):
-        try:
-            for key in list(self._out):
-                self.device.synchronize_stream(self._d2h)
-                self.device.host_free(key)
-            for host, _, _ in self._in.values():
-                self.device.synchronize_stream(self._h2d)
-                self.device.host_free(host)
-            self.device.destroy_stream(self._d2h)
-            self.device.destroy_stream(self._h2d)
-        except Exception:   # pragma: no cover - interpreter shutdown, a failed __init__
-            pass
+def check_kind(kind):
+    if kind not in KINDS:
+        raise InvalidArgumentError(f"kind must be one of {KINDS}, got {kind!r}")
 
 
 class Compression:
@@ -270,6 +118,7 @@ class Compression:
                 raise InvalidArgumentError(
                     f"compress={compress!r}: the swap backend {type(self.swap).__name__} cannot "
                     "compress (it has no swap_out_compressed)")
+            from vmalloc.offload.runtime.compressing_swap import CompressingSwap
             self.swap = CompressingSwap(self.swap, self.allocator)
 
     # --- dtypes (driver protocol) ----------------------------------------------------------
@@ -282,9 +131,18 @@ class Compression:
             return
         buf.dtype = name if buf.dtype is None else "mixed"
 
+    def set_kind(self, buf, kind) -> None:
+        """What ``buf`` holds (:data:`KINDS`), as the driver knows it: only a float32
+        ``"activation"`` may be compressed. A driver marks an activation when it creates one,
+        and takes the mark back (``"gradient"``, ``"state"``...) as soon as it learns better:
+        the schedule compresses only what was still an activation when its iteration ended."""
+        self._check_buffer(buf, "set_kind")
+        check_kind(kind)
+        buf.kind = kind
+
     def _compressible(self, buf):
-        return (not buf.persistent and buf.dtype == "float32" and buf.movable
-                and buf.nbytes % 4 == 0)
+        return (buf.kind == "activation" and not buf.persistent and buf.dtype == "float32"
+                and buf.movable and buf.nbytes % 4 == 0)
 
     def _compress_format(self, buf):
         """The format buf's swap-out uses now (None: lossless)."""
@@ -297,8 +155,8 @@ class Compression:
         return self.compress
 
     def _plan_compression(self):
-        """The recorded schedule's ``compressed`` set: its float32 transient variables (a
-        scheduler's own set is checked: only float32 transient buffers can be compressed)."""
+        """The recorded schedule's ``compressed`` set: its float32 activations (a scheduler's
+        own set is checked: only float32 transient activations can be compressed)."""
         sched = self._schedule
         if self.compress is None or sched is None:
             return
@@ -308,12 +166,14 @@ class Compression:
                          if v not in dtypes or not self._compressible(dtypes[v]))
             if bad:
                 self._schedule = None
-                names = ", ".join(f"{self._sequence.variables[v].name} "
-                                  f"({dtypes[v].dtype if v in dtypes else 'persistent'})"
-                                  for v in bad[:5])
+                names = ", ".join(
+                    f"{self._sequence.variables[v].name} ("
+                    f"{f'{dtypes[v].dtype} {dtypes[v].kind}' if v in dtypes else 'persistent'})"
+                    for v in bad[:5])
                 raise InvalidArgumentError(
                     f"the schedule compresses {len(bad)} variable(s) that are not float32 "
-                    f"transient buffers: {names}; only those can be swapped as {self.compress}")
+                    f"transient activations: {names}; only those can be swapped as "
+                    f"{self.compress}")
         else:
             sched.compressed = frozenset(v for v, b in dtypes.items() if self._compressible(b))
         sched.compression = self.compress
@@ -321,10 +181,28 @@ class Compression:
     # --- the primitive, wrapped ------------------------------------------------------------
     def _out(self, buf):
         fmt = self._compress_format(buf)
-        if fmt is None:
-            return super()._out(buf)
-        buf.key = self.swap.swap_out_compressed(buf.ptr, buf.nbytes, fmt, stream=self.stream)
+        try:
+            if fmt is None:
+                return super()._out(buf)
+            buf.key = self.swap.swap_out_compressed(buf.ptr, buf.nbytes, fmt,
+                                                    stream=self.stream)
+        except BaseException:
+            self._follow_failed_out(buf)
+            raise
         buf.where = "swapping_out"
+
+    def _follow_failed_out(self, buf):
+        """A failed swap-out whose own rollback failed may leave the buffer not resident in
+        the backend (CompressingSwap: swapping in, its cast back pending; the poison backend:
+        on the host): the runtime follows the backend, so the buffer's next use restores it."""
+        try:
+            state = self.swap.state(buf.ptr)
+        except Exception:   # noqa: BLE001 - the swap-out's error is the one raised
+            return
+        if state in ("swapping_out", "on_host", "swapping_in") and buf.where == "resident":
+            buf.key, buf.where = buf.ptr, state
+            if state == "on_host":
+                self._untrack(buf)
 
     def _compression_stats(self, swap):
         """compressed_swap_outs / _ins (the backend's counts) and compression (the format)."""
