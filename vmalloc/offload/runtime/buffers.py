@@ -142,7 +142,7 @@ class Residency:
         if self._dropped or self._dependents:
             if buf.where == "dropped" and not freed:
                 self._recompute_now(buf)    # the owner keeps the memory, with its bytes
-            self._before_free(buf)
+            self._before_free(buf, freed=freed)
         if buf.where == "swapping_in":
             self._wait(buf)
         if buf.where in ("on_host", "swapping_out"):
