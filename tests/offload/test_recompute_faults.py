@@ -212,7 +212,7 @@ def test_out_of_memory_during_a_recompute_loses_nothing(where):
     with pytest.raises(RecomputeError, match=rf"buffer {w.a.id} could not be recomputed: "
                        + ("mapping its memory again" if where == "re-map"
                           else "bringing back its function's inputs") + ".*OutOfMemoryError"):
-        restore(w)
+        w.read(w.a)
     assert w.a.state == "dropped" and w.reruns == 0
     w.check_books()
     for p in taken:
@@ -267,3 +267,23 @@ def test_every_driver_call_of_a_recompute_failing_once_or_twice(emu, kind, x_out
     CASES.append((kind, x_out, len(cases)))
     print(f"recompute fault matrix, {kind}, x_out={x_out}: {len(cases)} cases")
     assert not failures, f"{len(failures)} of {len(cases)} cases:\n" + "\n".join(failures)
+
+
+def test_leaving_the_runtime_by_an_exception_raises_that_exception(emu):
+    # restore_all on the way out cannot recompute a (its rerun raises): the program's error is
+    # what propagates, the recompute's is a warning; a stays dropped and recomputable.
+    w = World("virtual", x_out=True)
+    w.rerun_fails = 1
+    other = w.rt.allocate(SIZE)       # swapped out: it comes back all the same
+    w.rt._out(other)
+    w.rt._wait(other)
+    with pytest.warns(RuntimeWarning, match=rf"leaving the runtime after KeyError: buffer "
+                                            rf"{w.a.id} could not be recomputed"):
+        with pytest.raises(KeyError, match="the program's own"):
+            with w.rt:
+                raise KeyError("the program's own")
+    assert w.a.state == "dropped" and w.x.state == "resident" and other.state == "resident"
+    w.rt.deallocate(other)
+    del other
+    w.recover()
+    w.teardown(emu)

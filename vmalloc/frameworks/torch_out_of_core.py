@@ -31,13 +31,15 @@ one iteration to the next by the order in which they first appear.
 from __future__ import annotations
 
 import sys
+import threading
 import warnings
 import weakref
 
 from vmalloc.errors import InvalidArgumentError
 from vmalloc.frameworks.torch_recompute import AtenRerun, rerunnable
 from vmalloc.frameworks.torch_swap import CudaSwap, PoisonSwap
-from vmalloc.frameworks.torch_state import Readers, Storages, make_mode, predicted_bytes
+from vmalloc.frameworks.torch_state import (Readers, Storages, leaving, make_mode,
+                                             predicted_bytes)
 from vmalloc.offload import aten_ops
 from vmalloc.offload.runtime import Runtime
 
@@ -141,26 +143,34 @@ class OutOfCore:
     # --- user API -------------------------------------------------------------------------
     def __enter__(self):
         from torch.optim.optimizer import register_optimizer_step_post_hook
+        active = getattr(_active, "block", None)
+        if active is not None:
+            # Two dispatch modes would both drive their own runtime over the same storages
+            # (each swapping out what the other's op reads): refused, the outer one untouched.
+            raise InvalidArgumentError(
+                "vmalloc.torch.out_of_core blocks do not nest: one is active in this thread "
+                f"already (budget {active.runtime.budget}); leave it before entering another")
         self._peak = None
         self._mode = make_mode(self)
         self._mode.__enter__()
         self._hook = register_optimizer_step_post_hook(self._after_optimizer_step)
         self._readers.install()
+        _active.block = self
         return self
 
     def __exit__(self, exc_type, exc, tb):
         try:
-            if self.runtime.in_iteration:
-                self._end_iteration(failed=exc_type is not None)
+            leaving(exc_type, lambda: self.runtime.in_iteration
+                    and self._end_iteration(failed=exc_type is not None))
         finally:
+            _active.block = None
             self._readers.remove()
             self._hook.remove()
             self._mode.__exit__(exc_type, exc, tb)
             self._mode = None
-            self._storages.collect()
             # The peak is the training's: bringing everything back on leaving is not counted.
             self._peak = self.runtime.stats()["peak_device_bytes"]
-            self.runtime.restore_all()
+            leaving(exc_type, self._storages.collect, self.runtime.restore_all)
         return False
 
     def step(self):
@@ -396,6 +406,9 @@ class OutOfCore:
                 known.add(id(buf))
                 new.append(buf)
         return new
+
+
+_active = threading.local()     # .block: the OutOfCore active in this thread
 
 
 def out_of_core(budget=None, scheduler="window", window=None, backend=None,

@@ -104,6 +104,22 @@ class Storages:
         return out
 
 
+def leaving(exc_type, *steps):
+    """Runs a block's last steps. Left by the program's exception, that exception is what
+    propagates: a failure here (a storage that cannot be recomputed) is a warning, once."""
+    import warnings
+
+    from vmalloc.errors import VmallocError
+    for step in steps:
+        try:
+            step()
+        except VmallocError as error:
+            if exc_type is None:
+                raise
+            warnings.warn(f"leaving out_of_core after {exc_type.__name__}: {error}",
+                          RuntimeWarning, stacklevel=3)
+
+
 def make_mode(driver):
     from torch.utils._python_dispatch import TorchDispatchMode
 
