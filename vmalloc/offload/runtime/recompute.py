@@ -17,6 +17,10 @@ unchanged. Before a function writes one, before one is freed or forgotten, and w
 dropped buffer itself is needed (a function lists it, ``restore_all``, a ``forget`` that keeps
 the memory), the buffer is recomputed first, on demand. So a program that departs from its
 record (a divergence, a failure) still reads the right bytes.
+
+A recompute is all or nothing: the buffer stays dropped (its record, its inputs' guards) until
+its chain has run; a failure on the way releases what was mapped for it and raises
+:class:`RecomputeError`, the buffer still dropped and recomputable (docs/runtime.rst).
 """
 
 from __future__ import annotations
