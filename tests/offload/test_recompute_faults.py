@@ -223,9 +223,6 @@ def test_out_of_memory_during_a_recompute_loses_nothing(where):
 
 # --- the matrix ------------------------------------------------------------------------------
 
-CASES = []     # (test, faults) of every case run, for the count the docs state
-
-
 # The other kinds relocate what they swap: the planner never drops their buffers (asserted by
 # World), so their recompute path is x's swap-in alone.
 MATRIX = [("virtual", False), ("virtual", True)] + [(k, True) for k in KINDS if k not in DROPS]
@@ -233,7 +230,8 @@ MATRIX = [("virtual", False), ("virtual", True)] + [(k, True) for k in KINDS if 
 
 @pytest.mark.parametrize("kind,x_out", MATRIX,
                          ids=[f"{k}-x-{'on-host' if o else 'resident'}" for k, o in MATRIX])
-def test_every_driver_call_of_a_recompute_failing_once_or_twice(emu, kind, x_out):
+def test_every_driver_call_of_a_recompute_failing_once_or_twice(emu, kind, x_out,
+                                                               record_property):
     w = World(kind, x_out)
     before = _calls(emu)
     restore(w)
@@ -264,7 +262,9 @@ def test_every_driver_call_of_a_recompute_failing_once_or_twice(emu, kind, x_out
             failures.append(f"{where}: {error}")
         except Exception as error:  # noqa: BLE001 - anything else is a bug
             failures.append(f"{where}: {type(error).__name__}: {error}")
-    CASES.append((kind, x_out, len(cases)))
+    # (How many varies a little from run to run: the event polls, cuEventQuery and
+    # cuStreamWaitEvent, depend on when the emulator's copies complete.)
+    record_property("fault_cases", len(cases))
     print(f"recompute fault matrix, {kind}, x_out={x_out}: {len(cases)} cases")
     assert not failures, f"{len(failures)} of {len(cases)} cases:\n" + "\n".join(failures)
 
