@@ -20,6 +20,7 @@ import gc
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import vmalloc
 from vmalloc import testing
@@ -285,5 +286,32 @@ def test_leaving_the_runtime_by_an_exception_raises_that_exception(emu):
     assert w.a.state == "dropped" and w.x.state == "resident" and other.state == "resident"
     w.rt.deallocate(other)
     del other
+    w.recover()
+    w.teardown(emu)
+
+
+# --- failures in a row -----------------------------------------------------------------------
+# The matrix fails one attempt; here several attempts in a row fail (a rollback that failed
+# leaves memory mapped for the next attempt, which may fail again), drawn by hypothesis.
+
+_RECOMPUTE_CALLS = ("cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemCreate",
+                    "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync", "cuEventRecord",
+                    "cuStreamSynchronize", "cuStreamWaitEvent")
+_attempt_faults = st.lists(st.tuples(st.sampled_from(_RECOMPUTE_CALLS), st.integers(1, 6)),
+                           min_size=0, max_size=2)
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(x_out=st.booleans(), attempts=st.lists(st.tuples(_attempt_faults, st.booleans()),
+                                              min_size=1, max_size=4))
+def test_failed_recomputes_in_a_row_lose_nothing(emu, x_out, attempts):
+    """Each attempt: its driver faults, and whether the rerun raises too."""
+    w = World("virtual", x_out)
+    for faults, rerun_fails in attempts:
+        w.rerun_fails = int(rerun_fails)
+        _attempt(w, faults)
+        w.rerun_fails = 0
+        assert w.a.state in ("dropped", "resident")
     w.recover()
     w.teardown(emu)
