@@ -179,6 +179,29 @@ def test_a_failing_rerun_is_named():
             prog.iteration(5)
 
 
+def test_a_scheduled_recompute_that_fails_once_loses_nothing():
+    # Issue 20: the rerun raising once left a "resident" holding another buffer's old bytes.
+    rt = runtime(budget=10 * MiB)
+    prog = Program(rt)
+    run_scheduled(rt, prog, iterations=2)
+    rt.begin_iteration()
+    a, x, want_a, want_x = prog.iteration(4, diverge="exit")
+    rt.end_iteration()
+    assert a.state == "dropped"
+    prog.break_rerun = True
+    with pytest.raises(RecomputeError) as info:
+        rt.restore_all()
+    assert a.state == "dropped" and x.state == "resident"    # a was "resident", wrong bytes
+    assert str(info.value).startswith(f"buffer {a.id} could not be recomputed: running its "
+                                      f"function's rerun raised ValueError('rerun broke'); "
+                                      f"it stays dropped")
+    prog.break_rerun = False
+    with rt.function(reads=[a, x], name="after") as p:
+        np.testing.assert_array_equal(arr(p, a), want_a)
+        np.testing.assert_array_equal(arr(p, x), want_x)
+    assert a.state == "resident"
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(InvalidArgumentError, match="recompute must be True or False"):
         runtime(recompute="yes")

@@ -5,6 +5,8 @@ and reproduced the same bits."""
 
 import pytest
 
+import vmalloc
+
 torch = pytest.importorskip("torch")
 
 import vmalloc.torch as vtorch  # noqa: E402
@@ -90,3 +92,108 @@ def test_which_ops_are_rerunnable():
         assert rerunnable(aten.convolution.default, "cuda")
     finally:
         torch.use_deterministic_algorithms(was)
+
+
+class Oom(RuntimeError):
+    pass
+
+
+def train_with_a_failing_step(model, opt, batches, fail_at, where):
+    """The OOM-retry pattern: step ``fail_at`` raises (``where``: in the forward, halfway, or
+    in the backward), the loop catches it, the graph is freed, training goes on."""
+    losses = []
+    layer = model[len(model) // 2]
+    for i, (x, y) in enumerate(batches):
+        def boom(*_):
+            if i == fail_at:
+                raise Oom("CUDA out of memory (simulated)")
+        handle = (layer.register_forward_hook(boom) if where == "forward"
+                  else layer.register_full_backward_hook(boom))
+        try:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        except Oom:
+            losses.append(None)
+        finally:
+            handle.remove()
+            opt.zero_grad()
+            loss = None
+    return losses
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_recompute_survives_the_oom_retry_pattern(where):
+    # Before issue 20's fix: "swap_in: the storage ... was freed" while autograd freed the graph.
+    # Steps 0 and 1 are recorded, step 2 (the first to drop storages) fails, 3 goes on.
+    batches = data(4)
+    model, opt = make()
+    ref = train_with_a_failing_step(model, opt, batches, 2, where)
+    ref_w = [p.detach().clone() for p in model.parameters()]
+    model, opt = make()
+    with vtorch.out_of_core(budget="24MiB", backend="poison", device="cpu",
+                            recompute=True) as ooc:
+        losses = train_with_a_failing_step(model, opt, batches, 2, where)
+    assert losses == ref and ref[2] is None
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_w))
+    assert ooc.stats()["recompute_drops"] > 0
+
+
+def test_leaving_the_block_mid_step_raises_the_programs_error():
+    model, opt = make()
+    batches = data(4)
+    with pytest.raises(Oom, match="simulated"):
+        with vtorch.out_of_core(budget="24MiB", backend="poison", device="cpu",
+                                recompute=True) as ooc:
+            for i, (x, y) in enumerate(batches):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                if i == 3:
+                    raise Oom("CUDA out of memory (simulated)")
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+    assert ooc.stats()["recompute_drops"] > 0
+    assert all(b.state == "resident" for b in ooc.runtime.buffers())
+
+
+def test_a_recompute_failing_on_the_way_out_does_not_mask_the_programs_error(monkeypatch):
+    from vmalloc.frameworks import torch_recompute
+
+    model, opt = make()
+    batches = data(4)
+    with pytest.warns(RuntimeWarning, match=r"leaving out_of_core after Oom: buffer \d+ could "
+                                            r"not be recomputed.*rerun broke"):
+        with pytest.raises(Oom, match="simulated"):
+            with vtorch.out_of_core(budget="24MiB", backend="poison", device="cpu",
+                                    recompute=True):
+                for i, (x, y) in enumerate(batches):
+                    loss = torch.nn.functional.cross_entropy(model(x), y)
+                    if i == 2:     # mid-step, with storages dropped: no rerun works any more
+                        def broken(self, ptrs=None):
+                            raise RuntimeError("rerun broke")
+                        monkeypatch.setattr(torch_recompute.AtenRerun, "__call__", broken)
+                        raise Oom("CUDA out of memory (simulated)")
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+
+
+def test_nested_out_of_core_is_refused_and_the_outer_block_goes_on():
+    # Before issue 20's fix: NaN losses from the first step, no error.
+    batches = data(4)
+    model, opt = make()
+    ref = train(model, opt, batches)
+    model, opt = make()
+    with vtorch.out_of_core(budget="24MiB", backend="poison", device="cpu") as outer:
+        losses = train(model, opt, batches[:2])
+        inner = vtorch.out_of_core(budget="24MiB", backend="poison", device="cpu")
+        with pytest.raises(vmalloc.InvalidArgumentError,
+                           match="out_of_core blocks do not nest: one is active"):
+            with inner:
+                pass
+        losses += train(model, opt, batches[2:])
+    assert losses == ref
+    assert outer.stats()["scheduled_iterations"] == 2
+    with vtorch.out_of_core(budget="24MiB", backend="poison", device="cpu"):
+        pass                       # once left, a block may be entered again

@@ -31,13 +31,15 @@ one iteration to the next by the order in which they first appear.
 from __future__ import annotations
 
 import sys
+import threading
 import warnings
 import weakref
 
 from vmalloc.errors import InvalidArgumentError
 from vmalloc.frameworks.torch_recompute import AtenRerun, rerunnable
 from vmalloc.frameworks.torch_swap import CudaSwap, PoisonSwap
-from vmalloc.frameworks.torch_state import Kinds, Readers, Storages, make_mode, predicted_bytes
+from vmalloc.frameworks.torch_state import (Kinds, Readers, Storages, leaving, make_mode,
+                                             predicted_bytes)
 from vmalloc.offload import aten_ops
 from vmalloc.offload.runtime import Runtime
 
@@ -146,6 +148,13 @@ class OutOfCore:
     def __enter__(self):
         from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                            register_optimizer_step_pre_hook)
+        active = getattr(_active, "block", None)
+        if active is not None:
+            # Two dispatch modes would both drive their own runtime over the same storages
+            # (each swapping out what the other's op reads): refused, the outer one untouched.
+            raise InvalidArgumentError(
+                "vmalloc.torch.out_of_core blocks do not nest: one is active in this thread "
+                f"already (budget {active.runtime.budget}); leave it before entering another")
         self._peak = None
         self._mode = make_mode(self)
         self._mode.__enter__()
@@ -154,36 +163,24 @@ class OutOfCore:
             self._pre_hook = register_optimizer_step_pre_hook(
                 lambda opt, args, kwargs: self._kinds.before_step(opt))
         self._readers.install()
+        _active.block = self
         return self
 
     def __exit__(self, exc_type, exc, tb):
         try:
-            self._leave(exc_type, exc, tb)
-        except Exception as error:
-            if exc is None:
-                raise
-            # The block's own error is the one raised; the cleanup's is said beside it.
-            exc.add_note(f"leaving vmalloc.torch.out_of_core also failed: "
-                         f"{type(error).__name__}: {error}")
-            warnings.warn(f"leaving out_of_core after {type(exc).__name__} failed too: "
-                          f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
-        return False
-
-    def _leave(self, exc_type, exc, tb):
-        try:
-            if self.runtime.in_iteration:
-                self._end_iteration(failed=exc_type is not None)
+            leaving(exc_type, lambda: self.runtime.in_iteration
+                    and self._end_iteration(failed=exc_type is not None), exc=exc)
         finally:
+            _active.block = None
             self._readers.remove()
             self._hook.remove()
             if self._pre_hook is not None:
                 self._pre_hook.remove()
             self._mode.__exit__(exc_type, exc, tb)
             self._mode = None
-            self._storages.collect()
             # The peak is the training's: bringing everything back on leaving is not counted.
             self._peak = self.runtime.stats()["peak_device_bytes"]
-            self.runtime.restore_all()
+            leaving(exc_type, self._storages.collect, self.runtime.restore_all, exc=exc)
         return False
 
     def step(self):
@@ -427,6 +424,9 @@ class OutOfCore:
                 if self._kinds is not None:
                     self._kinds.created(buf)
         return new
+
+
+_active = threading.local()     # .block: the OutOfCore active in this thread
 
 
 def out_of_core(budget=None, scheduler="window", window=None, backend=None,

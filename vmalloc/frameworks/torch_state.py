@@ -104,6 +104,30 @@ class Storages:
         return out
 
 
+def leaving(exc_type, *steps, exc=None):
+    """Runs a block's last steps. Left by the program's exception, that exception is what
+    propagates: a failure here (a storage that cannot be recomputed, a backend that cannot
+    restore) is a warning, once, and a note on the program's exception where Python has notes
+    (3.11+). Left normally, the first failure is raised after every step has run."""
+    import warnings
+
+    first = None
+    for step in steps:
+        try:
+            step()
+        except Exception as error:  # noqa: BLE001 - never mask the program's own error
+            if exc_type is None:
+                first = first or error
+                continue
+            if exc is not None and hasattr(exc, "add_note"):
+                exc.add_note(f"leaving vmalloc.torch.out_of_core also failed: "
+                             f"{type(error).__name__}: {error}")
+            warnings.warn(f"leaving out_of_core after {exc_type.__name__} failed too: "
+                          f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)
+    if first is not None:
+        raise first
+
+
 def make_mode(driver):
     from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -150,7 +150,7 @@ class Residency:
         if self._dropped or self._dependents:
             if buf.where == "dropped" and not freed:
                 self._recompute_now(buf)    # the owner keeps the memory, with its bytes
-            self._before_free(buf)
+            self._before_free(buf, freed=freed)
         if buf.where == "swapping_in":
             self._wait(buf)
         if buf.where in ("on_host", "swapping_out"):
@@ -209,19 +209,22 @@ class Residency:
     def restore_all(self) -> None:
         """Every live buffer resident, every copy in flight completed, whatever the budget
         (which is left as it is: ``stats()["budget_bytes"]`` keeps its value). For a driver
-        leaving out-of-core mode."""
+        leaving out-of-core mode. A dropped buffer that cannot be recomputed stays dropped (the
+        others still come back) and its RecomputeError is raised."""
         if self._in_function:
             raise InvalidArgumentError("restore_all: a function is running")
         self._pending_out.clear()
         self._pending_in.clear()
-        self._recompute_all()
-        for buf in list(self._buffers.values()):
-            if buf.where == "swapping_out":
-                self._wait(buf)
-            if buf.where == "on_host":
-                self._in(buf)
-            if buf.where == "swapping_in":
-                self._wait(buf)
+        try:
+            self._recompute_all()    # a RecomputeError after the swap-ins: the rest comes back
+        finally:
+            for buf in list(self._buffers.values()):
+                if buf.where == "swapping_out":
+                    self._wait(buf)
+                if buf.where == "on_host":
+                    self._in(buf)
+                if buf.where == "swapping_in":
+                    self._wait(buf)
 
     # --- the four swap primitives ----------------------------------------------------------
     # The runtime keeps each buffer's state itself: a relocated buffer's old address may be

@@ -9,7 +9,7 @@ import warnings
 from collections import OrderedDict
 from typing import Dict, Iterable, List, Optional
 
-from vmalloc.errors import InvalidArgumentError
+from vmalloc.errors import InvalidArgumentError, VmallocError
 from vmalloc.offload.runtime.buffers import Buffer, FunctionPointers, Residency
 from vmalloc.offload.runtime.compression import Compression
 from vmalloc.offload.runtime.divergence import Divergence
@@ -342,10 +342,19 @@ class Runtime(Compression, Residency, Recording, Following, Divergence, Recomput
 
     def __exit__(self, exc_type, exc, tb):
         """Leaving the region: an iteration left open ends (failed if by an exception), and
-        every buffer comes back to the device (:meth:`restore_all`); stats keep their values."""
-        if self._in_iteration:
-            self.end_iteration(failed=exc_type is not None)
-        self.restore_all()
+        every buffer comes back to the device (:meth:`restore_all`); stats keep their values.
+        Left by an exception, that exception propagates: a failure here (a buffer that cannot
+        be recomputed) is a RuntimeWarning."""
+        try:
+            if self._in_iteration:
+                self.end_iteration(failed=exc_type is not None)
+            self.restore_all()
+        except VmallocError as error:
+            if exc_type is None:
+                raise
+            # The program's exception is what propagates; this one is said.
+            warnings.warn(f"leaving the runtime after {exc_type.__name__}: {error}",
+                          RuntimeWarning, stacklevel=2)
         return False
 
     # --- what the runtime did ----------------------------------------------------------------

@@ -17,6 +17,10 @@ unchanged. Before a function writes one, before one is freed or forgotten, and w
 dropped buffer itself is needed (a function lists it, ``restore_all``, a ``forget`` that keeps
 the memory), the buffer is recomputed first, on demand. So a program that departs from its
 record (a divergence, a failure) still reads the right bytes.
+
+A recompute is all or nothing: the buffer stays dropped (its record, its inputs' guards) until
+its chain has run; a failure on the way releases what was mapped for it and raises
+:class:`RecomputeError`, the buffer still dropped and recomputable (docs/runtime.rst).
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from vmalloc.offload.runtime.buffers import Buffer, FunctionPointers
 
 
 class RecomputeError(VmallocError, RuntimeError):
-    """A dropped buffer could not be recomputed (its ``rerun`` raised): the message names the
-    buffer and the function."""
+    """A dropped buffer could not be recomputed (its memory could not be mapped, an input could
+    not come back, its ``rerun`` raised): the message names the buffer and the cause. The
+    buffer stays dropped, nothing it held is lost (it held nothing), and the next read tries
+    again."""
 
 
 class Recomputation:
@@ -159,36 +165,85 @@ class Recomputation:
 
     def _rematerialize(self, buf):
         """Device memory for a dropped buffer at its own address (contents undefined), making
-        room under the budget as an allocation does."""
+        room under the budget as an allocation does. The buffer stays dropped (out of the
+        eviction order, counted in the device bytes) until its recompute succeeds."""
         if hasattr(self.swap, "rematerialize"):
             self._with_room(buf.footprint,
                             lambda: self.swap.rematerialize(buf.key, stream=self.stream))
         else:
             self._with_room(buf.footprint,
                             lambda: self.allocator.map_backing(buf.ptr, stream=self.stream))
-        buf.where = "resident"
-        self._track(buf)
+        self._rc_backed.add(buf.id)
+        self._device_bytes += buf.footprint
+        self._peak_device_bytes = max(self._peak_device_bytes, self._device_bytes)
+
+    def _unback(self, buf):
+        """Rolls a failed recompute back: the memory mapped for it released again. Returns
+        why that failed (the memory then stays mapped, counted, and is reused by the next
+        try), or None."""
+        if buf.id not in self._rc_backed:
+            return None
+        try:
+            if hasattr(self.swap, "release"):
+                self.swap.release(buf.key, stream=self.stream)
+            else:
+                self.allocator.unmap_backing(buf.ptr, stream=self.stream)
+        except Exception as error:  # noqa: BLE001 - said in the RecomputeError
+            return error
+        self._forget_backing(buf)
+        return None
+
+    def _forget_backing(self, buf):
+        if buf.id in self._rc_backed:
+            self._rc_backed.discard(buf.id)
+            self._device_bytes -= buf.footprint
 
     # --- on demand: the invariant -------------------------------------------------------------
     def _recompute_now(self, buf):
         """Recomputes a dropped buffer: its memory back, its chain re-run on its inputs (made
-        resident on demand), none of which changed since the chain ran."""
-        chain = self._take_dropped(buf)
+        resident on demand), none of which changed since the chain ran.
+
+        Transactional: the buffer stays dropped (its record and its inputs' guards kept) until
+        every function of its chain has run; any failure on the way (memory, an input that
+        cannot come back, a rerun that raises) releases what was mapped for it and raises one
+        :class:`RecomputeError`, the buffer still dropped and recomputable."""
+        chain, _ = self._dropped[buf.id]
+        for rerun, _, _ in chain:
+            ready = getattr(rerun, "ready", None)    # its inputs gone: touch nothing
+            if ready is not None and not ready():
+                raise RecomputeError(f"buffer {buf.id} could not be recomputed: its "
+                                     f"function's rerun cannot run (an input or its output "
+                                     f"is gone); it stays dropped")
         saved = self._current
+        doing = "mapping its memory again"
         try:
-            self._rematerialize(buf)
+            if buf.id not in self._rc_backed:    # (mapped already if a rollback failed)
+                self._rematerialize(buf)
             for rerun, reads, writes in chain:
-                bufs = list(dict.fromkeys(reads + writes))
-                self._current = (saved or []) + bufs    # none of them is evicted meanwhile
-                self._make_resident(bufs)
-                try:
-                    rerun(FunctionPointers(reads + writes))
-                except BaseException as error:
-                    raise RecomputeError(f"buffer {buf.id} could not be recomputed: its "
-                                         f"function's rerun raised {error!r}") from error
-                self._stats["recomputed_functions"] += 1
+                others = [b for b in dict.fromkeys(reads + writes) if b is not buf]
+                self._current = (saved or []) + [buf] + others   # none evicted meanwhile
+                doing = "bringing back its function's inputs"
+                self._make_resident(others)
+                doing = "running its function's rerun"
+                rerun(FunctionPointers(reads + writes))
+        except Exception as error:
+            kept = self._unback(buf)
+            note = "" if kept is None else (f" (releasing the memory mapped for it failed "
+                                             f"too, {kept!r}: it stays mapped for the next try)")
+            raise RecomputeError(f"buffer {buf.id} could not be recomputed: {doing} raised "
+                                 f"{error!r}; it stays dropped and is recomputed again when "
+                                 f"next needed{note}") from error
+        except BaseException:
+            self._unback(buf)
+            raise
         finally:
             self._current = saved
+        # Its bytes are in place: only now is it resident, and its guards go.
+        self._rc_backed.discard(buf.id)   # (first: its bytes stay counted, now as its own)
+        self._take_dropped(buf)
+        buf.where = "resident"
+        self._lru[buf.id] = buf      # (its bytes were counted when mapped)
+        self._stats["recomputed_functions"] += len(chain)
 
     def _before_writes(self, bufs):
         """A function is about to write ``bufs``: buffers recomputed from any of them are
@@ -199,16 +254,29 @@ class Recomputation:
                 if dep is not None and dep.where == "dropped":
                     self._recompute_now(dep)
 
-    def _before_free(self, buf):
+    def _before_free(self, buf, freed=False):
         """``buf`` leaves the runtime: what is recomputed from it is recomputed now; a dropped
-        buffer itself has nothing left to keep."""
-        self._before_writes([buf])
+        buffer itself has nothing left to keep. ``freed``: its owner freed it already (a
+        framework's storage), so a dependent that cannot be recomputed any more stays dropped
+        (reading it raises RecomputeError) instead of failing the free."""
+        if freed:
+            for d in sorted(self._dependents.get(buf.id, ())):
+                dep = self._buffers.get(d)
+                if dep is not None and dep.where == "dropped":
+                    try:
+                        self._recompute_now(dep)
+                    except RecomputeError:
+                        pass    # said when it is read
+            self._dependents.pop(buf.id, None)
+        else:
+            self._before_writes([buf])
         if buf.where == "dropped":
             self._take_dropped(buf)
 
     def _take_dropped(self, buf):
-        """Forgets what dropped ``buf`` remembers (its inputs no longer guard it); returns its
-        chain."""
+        """Forgets what dropped ``buf`` remembers (its inputs no longer guard it, memory a
+        failed rollback left mapped is no longer counted as its own); returns its chain."""
+        self._forget_backing(buf)
         chain, inputs = self._dropped.pop(buf.id)
         for i in inputs:
             deps = self._dependents.get(i)
@@ -219,10 +287,18 @@ class Recomputation:
         return chain
 
     def _recompute_all(self):
+        """Every dropped buffer recomputed; one that cannot be stays dropped, the others are
+        still tried, and the first failure is raised."""
+        first = None
         for bid in list(self._dropped):
             buf = self._buffers.get(bid)
             if buf is not None and buf.where == "dropped":
-                self._recompute_now(buf)
+                try:
+                    self._recompute_now(buf)
+                except RecomputeError as error:
+                    first = first or error
+        if first is not None:
+            raise first
 
 
 def init_recompute_state(rt, recompute, gpu):
@@ -236,3 +312,4 @@ def init_recompute_state(rt, recompute, gpu):
     rt._rc_chain: Dict[int, List[int]] = {}    # recomputed variable -> its chain (steps)
     rt._dropped: Dict[int, Tuple] = {}         # buffer id -> (chain entries, input ids)
     rt._dependents: Dict[int, Set[int]] = {}   # input buffer id -> dropped buffer ids
+    rt._rc_backed: Set[int] = set()            # dropped buffer ids whose memory is mapped
