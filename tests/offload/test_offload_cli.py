@@ -158,3 +158,13 @@ def test_sizes_are_human_readable_in_text_and_bytes_in_json(capsys):
     assert json.loads(out)["planned"]["params"] == {"window": 256 << 20, "budget": 8 << 30,
                                                   "drop": True}
     assert "16.00 GiB" in run(capsys, "gpus")[1].splitlines()[0]
+
+
+def test_a_function_of_1e308_seconds_is_one_line(capsys, tmp_path):
+    # Was an OverflowError traceback (intermediate overflow in fsum) from the simulator.
+    path = _sequence_file(tmp_path, functions=[["f", [0], [1], 1e9, 1e9, 1e308],
+                                               ["g", [1], [0], 1e9, 1e9, 1e308]])
+    code, out, err = run(capsys, "simulate", "--model", path)
+    assert (code, out, err) == (2, "", f"vmalloc offload simulate: error: --model {path}: "
+                                "functions[0]: seconds 1e+308 is above the most a function "
+                                "may give (1e+06)\n")
