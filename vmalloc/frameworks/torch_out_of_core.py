@@ -87,6 +87,14 @@ class OutOfCore:
                  min_bytes=64 << 10, device=None, allocator=None, persistent="auto",
                  strict=False, recompute=False, compress=None):
         torch = _torch()
+        if device not in (None, "cuda", "cpu"):
+            raise InvalidArgumentError(f"device must be 'cuda' or 'cpu', got {device!r}")
+        if device == "cuda" and not torch.cuda.is_available():
+            # Else no tensor would ever be tracked: the block would do nothing, silently.
+            raise InvalidArgumentError(
+                f"device='cuda' but this PyTorch ({torch.__version__}) has no CUDA device: "
+                "no tensor would be tracked; use device='cpu' with backend='poison' to train "
+                "out of core on the CPU")
         if backend is None:
             backend = "cuda" if torch.cuda.is_available() else "poison"
         self.device_type = device or ("cpu" if backend == "poison" else "cuda")
