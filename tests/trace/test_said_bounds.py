@@ -111,3 +111,13 @@ def test_the_library_names_the_destination_too(tmp_path):
         write_snapshot({"segments": [], "device_traces": [[]]}, str(tmp_path / "adir.pickle"))
     assert info.value.filename == str(tmp_path / "adir.pickle")
     assert ".partial" not in str(info.value)
+
+
+def test_several_devices_are_listed_briefly(capsys, tmp_path):
+    # The line listed every device: 2,000 of them made a 20 KB error line.
+    path = kineto(tmp_path / "many.json", [(d, 4096, 512) for d in range(2000)])
+    code, out, err = run(capsys, "convert", path, str(tmp_path / "out.vmtrace"))
+    assert (code, out) == (2, "")
+    assert err == (f"vmalloc convert: error: {path}: memory events for several GPU devices "
+                   "(cuda:0, cuda:1, cuda:2, cuda:3, cuda:4, cuda:5, cuda:6, cuda:7, ... (2000 "
+                   "in all)): choose one with --device many.json=0, or --device all\n")
