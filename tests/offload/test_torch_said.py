@@ -121,7 +121,8 @@ def test_recompute_says_once_why_it_recomputes_nothing():
     tokens = [(torch.randn(32, 16, 64, generator=g), torch.randint(0, 10, (32,), generator=g))
               for _ in range(3)]
     for data, (model, opt), reason in (
-            (batches(3), make(), "no function with a rerun writes a buffer alone"),
+            (batches(3), make(),
+             "no buffer goes unused long enough between its uses to be dropped"),
             (tokens, transformer(), "nothing is cheaper to recompute than its swap")):
         _, said, driver = run_recording(data, model, opt, budget="1MiB", recompute=True)
         stats = driver.stats()

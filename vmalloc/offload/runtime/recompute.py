@@ -71,9 +71,10 @@ class Recomputation:
         fns = seq.functions
         rerunnable = self._record_rerunnable
         droppable = self._droppable_nbytes
-        seen = {"chain": False, "droppable": False}   # (for recompute_reason)
+        seen = {"gap": False, "chain": False, "droppable": False}   # (recompute_reason)
 
         def eligible(v, chain):
+            seen["gap"] = True
             ok = all(c in rerunnable and set(fns[c].outputs) == {v} for c in chain)
             seen["chain"] = seen["chain"] or ok
             ok = ok and droppable(seq.variables[v].nbytes)
@@ -85,6 +86,8 @@ class Recomputation:
             self._recompute_reason = (
                 "no function with a rerun (Runtime.call, or enter_function's rerun)"
                 if not rerunnable else
+                "no buffer goes unused long enough between its uses to be dropped"
+                if not seen["gap"] else
                 "no function with a rerun writes a buffer alone" if not seen["chain"] else
                 "no buffer a rerun writes can be dropped (released and mapped again at its "
                 "address)" if not seen["droppable"] else
