@@ -247,3 +247,17 @@ def test_a_cost_past_the_bound_is_refused(tmp_path, field, name, value, bound):
     with pytest.raises(vmalloc.InvalidArgumentError) as info:
         seq.add_function([0], [0], **{name: value})
     assert str(info.value) == f"{name} must be at most {bound}, got {value!r}"
+
+
+def test_tiny_records_past_the_default_bound_are_refused_in_bounded_memory(tmp_path):
+    # The default bound, no patching: 600,000 `[0,0,0,""]` records (2.4 M values) in a gzip
+    # of a few KB; loading them took over 100 MiB of Python objects (20 M: MemoryError).
+    n = 600_000
+    path = tmp_path / "tiny.json.gz"
+    path.write_bytes(gzip.compress((json.dumps(HEAD)[:-1] + ', "variables": ['
+                                    + ",".join(['[0,0,0,""]'] * n) + '], "functions": []}'
+                                    ).encode()))
+    assert path.stat().st_size < 50_000
+    peak, out = _peak_mib(path)
+    assert "its records hold more than 2,097,152 values" in out
+    assert peak < 200, (peak, out)
