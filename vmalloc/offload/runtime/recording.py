@@ -131,10 +131,11 @@ class Recording:
                 self.last_schedule_error = error
             if self.recompute:
                 self._recompute_reason = None
-                if self.budget is None or scheduler is None or (
-                        self._schedule is not None
-                        and self._schedule.swap_out_bytes(seq) == 0):
+                if self.budget is None or (self._schedule is not None
+                                           and self._schedule.swap_out_bytes(seq) == 0):
                     self._recompute_reason = "no budget pressure: nothing is swapped"
+                elif scheduler is None:    # (the scheduler itself could not be made)
+                    self._recompute_reason = "no schedule with recompute fits the budget"
                 else:
                     # Recompute instead of swapping where it moves fewer bytes (or fits).
                     rc = self._recompute_plan(seq, scheduler, self._schedule)
