@@ -1,7 +1,8 @@
 """PyTorch out-of-core training on CPU, no GPU needed: an unmodified training loop inside
 ``vmalloc.torch.out_of_core`` with the poison backend trains bit-identically under a budget,
-a budget no schedule meets is said once (a warning) or refused (``strict=True``), and a
-budget below what one op needs raises out of memory.
+a budget no schedule meets is said once (a warning) or refused (``strict=True``), and an op
+whose own storages do not fit the budget runs over it, said once (a warning), or under
+``strict=True`` is refused with out of memory.
 
     python examples/torch_out_of_core_cpu.py
 
@@ -79,14 +80,32 @@ def main():
     else:
         raise AssertionError("strict=True did not raise")
 
-    # A budget below what one op needs at once cannot run: out of memory, as on a GPU. The
-    # runtime stays usable: catch it and go on with a larger budget or a smaller batch.
+    # A budget below what one op needs at once (its inputs and outputs): the op runs over the
+    # budget (here the CPU has the room; on a full GPU the allocator raises out of memory),
+    # said once, and counted in stats(); still bit-identical.
+    model, opt = make()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with vmalloc.torch.out_of_core(budget="200KiB", backend="poison", device="cpu") as ooc:
+            losses = train(model, opt, data)
+    stats = ooc.stats()
+    assert losses == reference and len(said) == 1
+    assert stats["over_budget_ops"] > 0 and stats["peak_device_bytes"] > stats["budget_bytes"]
+    print("200 KiB, said once:", said[0].message)
+    print(f"  over_budget_ops={stats['over_budget_ops']}, peak "
+          f"{stats['peak_device_bytes'] >> 10} KiB")
+
+    # strict=True refuses such an op before it runs: out of memory, as on a GPU. The runtime
+    # stays usable: catch it and go on with a larger budget or a smaller batch.
     model, opt = make()
     try:
-        with vmalloc.torch.out_of_core(budget="200KiB", backend="poison", device="cpu"):
+        with vmalloc.torch.out_of_core(budget="200KiB", backend="poison", device="cpu",
+                                       strict=True):
             train(model, opt, data)
     except MemoryError as error:      # vmalloc.errors.OutOfMemoryError
-        print("200 KiB:", error)
+        print("200 KiB, strict=True:", error)
+    else:
+        raise AssertionError("strict=True did not refuse the op")
 
 
 if __name__ == "__main__":

@@ -158,3 +158,45 @@ def test_sizes_are_human_readable_in_text_and_bytes_in_json(capsys):
     assert json.loads(out)["planned"]["params"] == {"window": 256 << 20, "budget": 8 << 30,
                                                   "drop": True}
     assert "16.00 GiB" in run(capsys, "gpus")[1].splitlines()[0]
+
+
+def test_a_function_of_1e308_seconds_is_one_line(capsys, tmp_path):
+    # Was an OverflowError traceback (intermediate overflow in fsum) from the simulator.
+    path = _sequence_file(tmp_path, functions=[["f", [0], [1], 1e9, 1e9, 1e308],
+                                               ["g", [1], [0], 1e9, 1e9, 1e308]])
+    code, out, err = run(capsys, "simulate", "--model", path)
+    assert (code, out, err) == (2, "", f"vmalloc offload simulate: error: --model {path}: "
+                                "functions[0]: seconds 1e+308 is above the most a function "
+                                "may give (1e+06)\n")
+
+
+def test_train_refuses_a_fraction_that_leaves_no_device(capsys):
+    # Was a run with no memory limit ("budget_bytes": null, "identical": true) that then
+    # crashed in binary_unit (a device of 0 bytes is an unlimited HostDevice).
+    code, out, err = run(capsys, "train", "--steps", "2", "--fraction", "0.01")
+    assert (code, out) == (2, "")
+    assert err == ("vmalloc offload train: error: --fraction 0.01 of the in-core peak "
+                   "(117,727,232 bytes) leaves a device of 0 bytes (capacities are whole 2 MiB "
+                   "units): use at least 0.0179\n")
+
+
+@pytest.mark.parametrize("steps", ["1001", "100000000000000000000"])
+def test_train_refuses_steps_past_the_bound_before_any_work(capsys, monkeypatch, steps):
+    # 10**20 steps was an OverflowError traceback (the data of every step is made up front).
+    from vmalloc.offload import numpy_training
+
+    monkeypatch.setattr(numpy_training, "train", lambda *a, **k: pytest.fail("trained"))
+    code, out, err = run(capsys, "train", "--steps", steps)
+    assert (code, out, err) == (2, "", "vmalloc offload train: error: --steps must be at most "
+                                f"1,000 (each step's data is made up front), got {steps}\n")
+
+
+def test_compare_refuses_bad_steps_and_fractions():
+    from vmalloc.errors import InvalidArgumentError
+    from vmalloc.offload.numpy_training import compare
+
+    for kwargs, message in ((dict(steps=10 ** 20), "steps must be 2 to 1,000, got 10"),
+                            (dict(fraction=0.0), "fraction must be in (0, 1], got 0.0")):
+        with pytest.raises(InvalidArgumentError) as info:
+            compare(**kwargs)
+        assert str(info.value).startswith(message)

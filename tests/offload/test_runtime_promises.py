@@ -460,3 +460,22 @@ def test_refused_swaps_anywhere_leave_the_runtime_usable_and_the_results_exact(d
     assert _faulty_program(rt, sizes, steps, iterations) == ref
     assert not rt.in_iteration and not rt.in_function
     assert rt.stats()["peak_device_bytes"] <= 6 * MiB
+
+
+# --- issue 20, item 5: a BudgetWarning points at the program's line, whatever its path ---------
+
+def test_budget_warnings_point_at_the_programs_line():
+    # Fixed stacklevels pointed into vmalloc/offload/runtime (or contextlib) on some paths.
+    with pytest.warns(BudgetWarning) as said:
+        host_runtime(capacity="8MiB", budget="16MiB")                # clamped to the device
+        rt = host_runtime(capacity="32MiB", budget="6MiB")
+        a, b = rt.allocate(4 * MiB), rt.allocate(4 * MiB)
+        for _ in range(3):                                            # said once
+            with rt.iteration():
+                with rt.function(reads=[a, b], name="both"):          # over the budget
+                    pass
+    assert [str(w.message).split(";")[0] for w in said] == [
+        "the budget of 16777216 bytes exceeds the device's capacity of 8388608 bytes",
+        "function 0 (both) needs 8388608 bytes on the device at once"]
+    assert [w.filename for w in said] == [__file__, __file__]
+    assert rt.stats()["over_budget"] == 3

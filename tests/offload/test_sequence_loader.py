@@ -167,3 +167,97 @@ def test_same_as_decoding_the_whole_json(tmp_path, variables, functions, extra, 
         return
     got = FunctionSequence.load(path)
     assert got.to_dict() == expected.to_dict()
+
+
+# --- issue 20 ("Also"): tiny records, long records and huge costs are refused at once ---------
+
+def test_records_past_the_value_bound_are_refused_before_they_are_decoded(tmp_path,
+                                                                          monkeypatch):
+    # A 204 KB gzip of 20 million `[0,0,0,""]` records raised MemoryError (gigabytes of
+    # Python objects): the values are counted off each batch before it is decoded.
+    decoded = []
+    real = sequence_module._variable
+    monkeypatch.setattr(sequence_module, "_variable",
+                        lambda rec, i: decoded.append(i) or real(rec, i))
+    monkeypatch.setattr(sequence_module, "MAX_RECORD_VALUES", 1000)
+    records = ",".join(['[0,0,0,""]'] * 5000)
+    path = tmp_path / "tiny.json.gz"
+    path.write_bytes(gzip.compress((json.dumps(HEAD)[:-1] + f', "variables": [{records}], '
+                                    '"functions": []}').encode()))
+    with pytest.raises(SequenceFormatError) as info:
+        FunctionSequence.load(path)
+    assert str(info.value) == (f"{path}: its records hold more than 1,000 values (numbers, "
+                               "strings and ids); refused (the loader's bound, "
+                               "MAX_RECORD_VALUES)")
+    assert decoded == []   # refused before its first batch of 1,024 records was decoded
+
+
+def test_records_within_the_value_bound_load(tmp_path, monkeypatch):
+    monkeypatch.setattr(sequence_module, "MAX_RECORD_VALUES", 1000)
+    records = ",".join(['[8,0,0,"v"]'] * 200)   # 800 values (4 per record, their commas)
+    path = _write(tmp_path, json.dumps(HEAD)[:-1] + f', "variables": [{records}], '
+                  '"functions": [["f", [0], [1], null, 0, null]]}')
+    seq = FunctionSequence.load(path)
+    assert (len(seq.variables), len(seq.functions)) == (200, 1)
+
+
+def test_a_record_past_the_length_bound_is_refused_without_reading_the_rest(tmp_path,
+                                                                             monkeypatch):
+    # One function of 120 million ids (a 233 KB gzip) raised MemoryError in the regular
+    # expression's backtracking stack.
+    from vmalloc.offload import _sequence_file
+
+    monkeypatch.setattr(_sequence_file, "MAX_RECORD_CHARS", 1000)
+    skipped = []
+    real_skip = _sequence_file._skip
+    monkeypatch.setattr(_sequence_file, "_skip",
+                        lambda text, pos, endpos=None: skipped.append(
+                            (endpos or len(text)) - pos) or real_skip(text, pos, endpos))
+    ids = ",".join(["0"] * 100_000)
+    path = _write(tmp_path, json.dumps(HEAD)[:-1] + ', "variables": [[8, 0, 0, "a"]], '
+                  f'"functions": [["f", [{ids}], [], null, 0, null]]}}')
+    with pytest.raises(SequenceFormatError) as info:
+        FunctionSequence.load(path)
+    assert info.value.record == "functions[0]"
+    assert str(info.value) == (f"{path}: functions[0]: a record of more than 1,000 bytes of "
+                               "JSON, the most the loader reads; refused")
+    # the record is looked at up to the bound only, and the array is not skipped after it
+    assert skipped[-1] == 1000
+
+
+@pytest.mark.parametrize("field, name, value, bound", [
+    (5, "seconds", 1e308, "1e+06"), (3, "flops", 1e300, "1e+24"),
+    (4, "per_sample_flops", 1e25, "1e+24")])
+def test_a_cost_past_the_bound_is_refused(tmp_path, field, name, value, bound):
+    # A function of 1e308 seconds made `vmalloc offload simulate` end in an OverflowError
+    # traceback (intermediate overflow in fsum).
+    record = ["f", [0], [0], None, 0, None]
+    record[field] = value
+    obj = dict(HEAD, variables=[[8, 0, 0, "a"]], functions=[record])
+    path = _write(tmp_path, obj)
+    message = f"functions[0]: {name} {value!r} is above the most a function may give ({bound})"
+    with pytest.raises(SequenceFormatError) as info:
+        FunctionSequence.load(path)
+    assert str(info.value) == f"{path}: {message}"
+    with pytest.raises(SequenceFormatError) as info:
+        FunctionSequence.from_dict(obj)
+    assert str(info.value) == message
+    seq = FunctionSequence("x")
+    seq.add_variable(8)
+    with pytest.raises(vmalloc.InvalidArgumentError) as info:
+        seq.add_function([0], [0], **{name: value})
+    assert str(info.value) == f"{name} must be at most {bound}, got {value!r}"
+
+
+def test_tiny_records_past_the_default_bound_are_refused_in_bounded_memory(tmp_path):
+    # The default bound, no patching: 600,000 `[0,0,0,""]` records (2.4 M values) in a gzip
+    # of a few KB; loading them took over 100 MiB of Python objects (20 M: MemoryError).
+    n = 600_000
+    path = tmp_path / "tiny.json.gz"
+    path.write_bytes(gzip.compress((json.dumps(HEAD)[:-1] + ', "variables": ['
+                                    + ",".join(['[0,0,0,""]'] * n) + '], "functions": []}'
+                                    ).encode()))
+    assert path.stat().st_size < 50_000
+    peak, out = _peak_mib(path)
+    assert "its records hold more than 2,097,152 values" in out
+    assert peak < 200, (peak, out)

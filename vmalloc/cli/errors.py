@@ -51,7 +51,7 @@ _FLAG_WORDS = (
 def in_cli_terms(error, message):
     """A library error rephrased with the command line's flags (a device choice gets the
     --device that picks one)."""
-    from vmalloc.traces._fields import NoDeviceEventsError
+    from vmalloc.traces._fields import NoDeviceEventsError, _listed
 
     for words, flag in _FLAG_WORDS:
         message = re.sub(words, flag, message)
@@ -61,7 +61,7 @@ def in_cli_terms(error, message):
     gpus = [d for d in error.found if d.startswith("cuda")]
     hint = flag_for(error.path, (gpus or error.found or ["0"])[0])
     if error.wanted == "auto" and len(gpus) > 1:
-        return (f"{error.path}: memory events for several GPU devices ({', '.join(gpus)}): "
+        return (f"{error.path}: memory events for several GPU devices ({_listed(gpus)}): "
                 f"choose one with {hint}, or --device all")
     return f"{message} (choose with {hint})"
 

@@ -91,6 +91,14 @@ class OutOfCore:
                  min_bytes=64 << 10, device=None, allocator=None, persistent="auto",
                  strict=False, recompute=False, compress=None):
         torch = _torch()
+        if device not in (None, "cuda", "cpu"):
+            raise InvalidArgumentError(f"device must be 'cuda' or 'cpu', got {device!r}")
+        if device == "cuda" and not torch.cuda.is_available():
+            # Else no tensor would ever be tracked: the block would do nothing, silently.
+            raise InvalidArgumentError(
+                f"device='cuda' but this PyTorch ({torch.__version__}) has no CUDA device: "
+                "no tensor would be tracked; use device='cpu' with backend='poison' to train "
+                "out of core on the CPU")
         if backend is None:
             backend = "cuda" if torch.cuda.is_available() else "poison"
         self.device_type = device or ("cpu" if backend == "poison" else "cuda")
@@ -276,12 +284,21 @@ class OutOfCore:
         self._say("unschedulable", message)
 
     def _say(self, what, message, budget=True):
-        """Says a broken promise once per block (about the budget: the Runtime's
-        BudgetWarning where it has one, a UserWarning)."""
+        """Says a broken promise once per block: about the budget through the runtime (one
+        BudgetWarning per runtime, whoever finds the broken promise first), else a
+        UserWarning; either points at the program's line."""
         import vmalloc.offload.runtime as runtime
-        if what not in self._said:
-            self._said.add(what)
-            category = getattr(runtime, "BudgetWarning", UserWarning) if budget else UserWarning
+        if what in self._said:
+            return
+        self._said.add(what)
+        if budget and hasattr(self.runtime, "say_budget"):
+            self.runtime.say_budget(message)
+            return
+        category = getattr(runtime, "BudgetWarning", UserWarning) if budget else UserWarning
+        warn = getattr(runtime, "warn_user", None)
+        if warn is not None:
+            warn(message, category)
+        else:
             warnings.warn(message, category, stacklevel=4)
 
     def _after_optimizer_step(self, optimizer, args, kwargs):
@@ -386,11 +403,14 @@ class OutOfCore:
         """The op's own storages do not fit the budget: said once; raised under strict."""
         from vmalloc.errors import OutOfMemoryError
         self._counts["over_budget_ops"] += 1
-        message = (f"{name} needs {fresh} bytes for its outputs besides its inputs: more than "
-                   f"the budget of {self.runtime.budget} bytes leaves; it runs above the budget")
+        running = getattr(self.runtime, "running_function", None)
+        what = (running() if running is not None else None) or name
+        message = (f"{what} needs {fresh} bytes for its outputs besides its inputs, more than "
+                   f"the budget of {self.runtime.budget} bytes leaves")
         if self.strict:
-            raise OutOfMemoryError(message, requested_bytes=fresh)
-        self._say("over_budget", message)
+            raise OutOfMemoryError(message + ": refused (strict=True); the op did not run",
+                                   requested_bytes=fresh)
+        self._say("over_budget", message + ": it runs over the budget")
 
     def _collective_done(self, out, reads, writes):
         """A collective's Work runs on the backend's own thread: its tensors must stay where

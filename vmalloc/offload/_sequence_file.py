@@ -8,7 +8,9 @@ their shape (C speed, nothing built), decoded by ``json.loads`` of that record a
 into the sequence's own tuples at once; members the format does not read are skipped without
 being decoded, and ``meta`` is decoded only up to :data:`MAX_META_BYTES` of JSON. The loader's
 memory is therefore the decompressed text (at most ``MAX_FILE_BYTES``, read in blocks and
-refused as soon as it passes the bound), one record's objects, and the sequence it returns.
+refused as soon as it passes the bound), one record's objects, and the sequence it returns;
+the records' values (counted by their commas before a batch is decoded) are bounded too, since
+a small gzip of tiny records would otherwise decode to gigabytes of Python objects.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ _REC = rf"\[{_W}(?:(?:{_SCALAR}|{_LIST}){_W}(?:,{_W}(?:{_SCALAR}|{_LIST}){_W})*)
 _RECORD = re.compile(_REC)
 #: Up to BATCH records and their commas, decoded by one json.loads.
 BATCH = 1024
+#: The most text a batch of records is matched in: the regular expression's backtracking
+#: stack grows with a record's values (a record of 120 million ids took gigabytes), so a
+#: record longer than this is refused (the shipped models' longest is under 1 KB).
+MAX_RECORD_CHARS = 1 << 20
 _RECORDS = re.compile(rf"{_REC}(?:{_W},{_W}{_REC}){{0,{BATCH - 1}}}")
 #: What skipping an undecoded value looks at: strings (which may hold brackets) and brackets.
 _TOKEN = re.compile(rf"{_STR}|[\[\]{{}}]|\"")
@@ -50,6 +56,10 @@ _DECODED = ("format", "version", "name", "batch", "meta", "variables", "function
 
 class _Bad(Exception):
     """The file breaks the format; args: (message, record or None)."""
+
+
+class _Bound(_Bad):
+    """A bound of the loader is passed: refused at once (the rest is not even skipped)."""
 
 
 def read_text(path, limit, error):
@@ -102,15 +112,16 @@ def _not_json(text, pos, what):
     return _Bad(f"not JSON: {what}: line {line} column {column} (char {pos})", None)
 
 
-def _skip(text, pos):
-    """The end of the JSON value at ``pos`` (nothing decoded; containers by their brackets)."""
+def _skip(text, pos, endpos=None):
+    """The end of the JSON value at ``pos`` (nothing decoded; containers by their brackets);
+    None if it does not end before ``endpos`` (default: the text's end)."""
     m = _SCALAR_RE.match(text, pos)
     if m:
         return m.end()
     if pos >= len(text) or text[pos] not in "[{":
         raise _not_json(text, pos, "expecting value")
     depth = 0
-    for m in _TOKEN.finditer(text, pos):
+    for m in _TOKEN.finditer(text, pos, len(text) if endpos is None else endpos):
         token = m.group()
         if token in "[{":
             depth += 1
@@ -120,22 +131,34 @@ def _skip(text, pos):
                 return m.end()
         elif token == '"':
             raise _not_json(text, m.start(), "invalid string")
+    if endpos is not None and endpos < len(text):
+        return None
     raise _not_json(text, len(text), "unterminated container")
 
 
-def _records(text, pos, name, convert):
+def _records(text, pos, name, convert, budget):
     """The records of the array at ``pos``: ``convert(record, index)`` of each, in a list;
     the end of the array. A record that is not a flat list (or that ``convert`` refuses)
-    raises _Bad naming it."""
+    raises _Bad naming it. ``budget``: a one-item list, the values the records may still
+    hold (each batch's commas are counted off before it is decoded)."""
     out = []
     pos = _WS.match(text, pos + 1).end()
     if text.startswith("]", pos):
         return out, pos + 1
     while True:
-        m = _RECORDS.match(text, pos)
+        m = _RECORDS.match(text, pos, pos + MAX_RECORD_CHARS)
         try:
             if m is None:  # not a flat list: refused undecoded, in convert's words
-                convert(text[pos:_skip(text, pos)][:80], len(out))
+                end = _skip(text, pos, pos + MAX_RECORD_CHARS)
+                if end is None:
+                    raise _Bound(f"a record of more than {MAX_RECORD_CHARS:,} bytes of JSON, "
+                               "the most the loader reads; refused", f"{name}[{len(out)}]")
+                convert(text[pos:end][:80], len(out))
+            budget[0] -= text.count(",", pos, m.end()) + 1
+            if budget[0] < 0:
+                raise _Bound(f"its records hold more than {budget[1]:,} values (numbers, "
+                           "strings and ids); refused (the loader's bound, "
+                           "MAX_RECORD_VALUES)", None)
             try:
                 batch = json.loads("[" + m.group() + "]")
             except ValueError:  # an int of more than 4,300 digits: which record?
@@ -158,10 +181,12 @@ def _records(text, pos, name, convert):
             raise _not_json(text, pos, "expecting ',' delimiter")
 
 
-def parse(text, convert_variable, convert_function):
+def parse(text, convert_variable, convert_function, max_values):
     """The top-level object of a sequence file: ``{member: value}`` with ``variables`` and
     ``functions`` as lists of converted records (or, where a record is refused, the _Bad of
-    the first), other arrays or objects than ``meta`` skipped (as ``...``), ``meta`` decoded."""
+    the first), other arrays or objects than ``meta`` skipped (as ``...``), ``meta`` decoded.
+    More than ``max_values`` values in the records raises _Bad before they are decoded."""
+    budget = [max_values, max_values]
     pos = _WS.match(text).end()
     if not text.startswith("{", pos):
         _skip(text, pos)  # not JSON at all: say so
@@ -183,9 +208,9 @@ def parse(text, convert_variable, convert_function):
             if key in ("variables", "functions") and text.startswith("[", pos):
                 convert = convert_variable if key == "variables" else convert_function
                 try:
-                    members[key], pos = _records(text, pos, key, convert)
+                    members[key], pos = _records(text, pos, key, convert, budget)
                 except _Bad as bad:
-                    if bad.args[1] is None:  # not JSON: nothing else matters
+                    if bad.args[1] is None or isinstance(bad, _Bound):  # nothing else matters
                         raise
                     members[key] = bad
                     pos = _skip(text, pos)

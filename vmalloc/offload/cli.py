@@ -105,12 +105,13 @@ def add_parser(sub):
                    help="the NumPy network to train: a multilayer perceptron or a small "
                         "convolutional network (default mlp)")
     r.add_argument("--steps", type=int, default=4,
-                   help="training steps, at least 2: the first is recorded, the others run "
+                   help="training steps, 2 to 1000: the first is recorded, the others run "
                         "on the schedule (default 4)")
     r.add_argument("--allocator", choices=ALLOCATORS, default="virtual",
                    help="the allocator of the emulated device (default virtual)")
     r.add_argument("--fraction", type=float, default=0.5,
-                   help="device capacity as a fraction of the in-core peak (default 0.5)")
+                   help="device capacity as a fraction of the in-core peak, rounded down to "
+                        "2 MiB; one that leaves 0 bytes is refused (default 0.5)")
     r.add_argument("--recompute", action="store_true",
                    help="recompute forward activations instead of swapping them where that "
                         "moves fewer bytes (Capuchin-style; results stay bit-identical)")
@@ -396,15 +397,23 @@ def _gpus(args):
 def _train(args):
     import json
 
-    from vmalloc.offload.numpy_training import compare
+    from vmalloc.offload.numpy_training import MAX_STEPS, compare
 
     if args.steps < 2:
         raise OffloadCliError(f"--steps must be at least 2 (one recorded iteration, one "
                               f"scheduled), got {args.steps}")
+    if args.steps > MAX_STEPS:
+        raise OffloadCliError(f"--steps must be at most {MAX_STEPS:,} (each step's data is "
+                              f"made up front), got {args.steps}")
     if not 0 < args.fraction <= 1:
         raise OffloadCliError(f"--fraction must be in (0, 1], got {args.fraction}")
-    r = compare(args.network, args.steps, args.fraction, args.allocator,
-                recompute=args.recompute, compress=args.compress)
+    try:
+        r = compare(args.network, args.steps, args.fraction, args.allocator,
+                    recompute=args.recompute, compress=args.compress)
+    except VmallocError as error:
+        if str(error).startswith("fraction "):   # the device it leaves is empty
+            raise OffloadCliError(f"--{error}") from None
+        raise
     ok = r["identical"] or args.compress is not None   # compressed: lossy by request
     if args.json:
         print(json.dumps(r))

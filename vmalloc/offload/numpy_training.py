@@ -336,6 +336,11 @@ CONFIGS = {
 }
 
 
+#: The most steps :func:`compare` runs: the data of every step is made up front (16 MiB a
+#: step for the MLP), and 10**20 steps ended in an OverflowError traceback.
+MAX_STEPS = 1000
+
+
 def compare(network="mlp", steps=4, fraction=0.5, allocator="virtual", recompute=False,
             compress=None) -> dict:
     """Trains ``network`` in core, then out of core on a device of ``fraction`` of the in-core
@@ -344,14 +349,20 @@ def compare(network="mlp", steps=4, fraction=0.5, allocator="virtual", recompute
     the runtime's statistics and the seconds each run took. ``compress`` (``"fp16"``,
     ``"bf16"``): the out-of-core run swaps float32 activations compressed (then not
     bit-identical: ``deviation`` says by how much)."""
+    import math
     import time
 
     import vmalloc
     from vmalloc import allocator_kinds
+    from vmalloc.errors import InvalidArgumentError
     from vmalloc.offload.runtime import Runtime
 
     if network not in CONFIGS:
         raise ValueError(f"network must be one of {', '.join(CONFIGS)}, got {network!r}")
+    if not 2 <= steps <= MAX_STEPS:
+        raise InvalidArgumentError(f"steps must be 2 to {MAX_STEPS:,}, got {steps}")
+    if not 0 < fraction <= 1:
+        raise InvalidArgumentError(f"fraction must be in (0, 1], got {fraction}")
     kind = allocator_kinds.get(allocator)  # InvalidArgumentError naming the kinds
     config = CONFIGS[network]
 
@@ -367,6 +378,12 @@ def compare(network="mlp", steps=4, fraction=0.5, allocator="virtual", recompute
     in_seconds = time.perf_counter() - t0
     peak = rt_in.stats()["peak_device_bytes"]
     capacity = int(peak * fraction) // (2 << 20) * (2 << 20)
+    if capacity <= 0:
+        # A device of 0 bytes is an unlimited HostDevice: the run would have no budget at all.
+        smallest = math.ceil((2 << 20) / peak * 1e4) / 1e4   # rounded up: it fits
+        raise InvalidArgumentError(
+            f"fraction {fraction:g} of the in-core peak ({peak:,} bytes) leaves a device of "
+            f"0 bytes (capacities are whole 2 MiB units): use at least {smallest:g}")
     rt_out = make(capacity, "window", recompute, compress)
     t0 = time.perf_counter()
     out = train(rt_out, steps=steps, **config)

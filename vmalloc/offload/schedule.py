@@ -71,11 +71,13 @@ def paused_gc():
 
 class ScheduleError(VmallocError, ValueError):
     """A schedule that breaks a rule (see :meth:`Schedule.check`), or a budget a function can
-    never fit. ``function`` is the index of the function concerned (None for the whole)."""
+    never fit. ``function`` is the index of the function concerned (None for the whole);
+    ``needed_bytes`` what it needs at once, where the scheduler says (else None)."""
 
-    def __init__(self, message, function=None):
+    def __init__(self, message, function=None, needed_bytes=None):
         super().__init__(message)
         self.function = function
+        self.needed_bytes = needed_bytes
 
 
 # __slots__ (cheaper to build 10^5 of them) where dataclasses can make them: Python >= 3.10

@@ -35,6 +35,15 @@ VERSION = 1
 #: A sequence file larger than this (decompressed) is refused as soon as its text passes it:
 #: 256 MiB holds ~5 x 10^6 functions, and loading takes at most ~10x its text in memory.
 MAX_FILE_BYTES = 256 << 20
+#: The most values (numbers, strings, ids) the records of a file may hold together, counted
+#: before they are decoded: a gzip of 200 KB expands to 20 million tiny records, gigabytes of
+#: Python objects. The shipped models hold under 40,000; this allows ~50x that.
+MAX_RECORD_VALUES = 1 << 21
+#: The largest cost a function may give (seconds; FLOPs per function or per sample are bounded
+#: by MAX_FUNCTION_FLOPS): sums of a few such stay finite, where 1e308 made the simulator's
+#: sums overflow.
+MAX_FUNCTION_SECONDS = 1e6
+MAX_FUNCTION_FLOPS = 1e24
 
 
 class SequenceFormatError(VmallocError, ValueError):
@@ -131,7 +140,7 @@ class FunctionSequence:
                      name: Optional[str] = None, per_sample_flops: float = 0.0) -> int:
         """Appends a function reading ``inputs`` and writing ``outputs`` (variable ids);
         returns its index. Raises InvalidArgumentError for an unknown variable or a negative
-        cost."""
+        cost, or one past MAX_FUNCTION_SECONDS / MAX_FUNCTION_FLOPS."""
         ins = tuple(self._check_var(v, "inputs") for v in inputs)
         outs = tuple(self._check_var(v, "outputs") for v in outputs)
         for what, value in (("flops", flops), ("seconds", seconds),
@@ -139,6 +148,9 @@ class FunctionSequence:
             if value is not None and (not isinstance(value, (int, float)) or value < 0
                                       or value != value):
                 raise InvalidArgumentError(f"{what} must be a non-negative number, got {value!r}")
+            bound = MAX_FUNCTION_SECONDS if what == "seconds" else MAX_FUNCTION_FLOPS
+            if value is not None and value > bound:
+                raise InvalidArgumentError(f"{what} must be at most {bound:g}, got {value!r}")
         index = len(self.functions)
         self.functions.append(Function(index, name or f"f{index}", ins, outs,
                                        None if flops is None else float(flops),
@@ -272,7 +284,7 @@ class FunctionSequence:
         text = _sequence_file.read_text(
             path, MAX_FILE_BYTES, lambda message: SequenceFormatError(message, path))
         try:
-            obj = _sequence_file.parse(text, _variable, _function)
+            obj = _sequence_file.parse(text, _variable, _function, MAX_RECORD_VALUES)
         except _sequence_file._Bad as bad:
             raise SequenceFormatError(bad.args[0], path, bad.args[1]) from None
         except RecursionError:
@@ -356,6 +368,12 @@ def _function(rec, i):
             or not _is_cost(rec[5])):
         raise _RecordError(_FUNCTION_SHAPE.format(nvar="the number of variables", rec=str(rec)[:80]),
                            f"functions[{i}]")
+    for what, value, bound in (("flops", rec[3], MAX_FUNCTION_FLOPS),
+                               ("per_sample_flops", rec[4], MAX_FUNCTION_FLOPS),
+                               ("seconds", rec[5], MAX_FUNCTION_SECONDS)):
+        if value is not None and float(value) > bound:
+            raise _RecordError(f"{what} {value!r} is above the most a function may give "
+                               f"({bound:g})", f"functions[{i}]")
     return Function(i, rec[0], tuple(rec[1]), tuple(rec[2]),
                     None if rec[3] is None else float(rec[3]),
                     None if rec[5] is None else float(rec[5]), float(rec[4]))

@@ -245,7 +245,7 @@ class WindowScheduler:
                         raise ScheduleError(
                             f"function {i} ({functions[i].name}) needs {format_size(total)} "
                             f"({total} bytes){detail}; the budget is {format_size(budget)} "
-                            f"({budget} bytes)", function=i)
+                            f"({budget} bytes)", function=i, needed_bytes=total)
                     if trace is not None:
                         trace.append(("stall", i, j))
                     break                        # stop advancing: prefetch less

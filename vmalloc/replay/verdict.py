@@ -60,6 +60,9 @@ def verdict(group):
     need_c, need_v = _need(caching), _need(best)
     if need_c is None or need_v is None:
         return f"verdict: no comparison (a run did not finish); {smallest}"
+    if need_c[0] == 0:   # (the percentages below divide by it)
+        return ("verdict: no, the trace allocates no memory (caching needs 0 B): there is "
+                "nothing to fragment")
     saved = need_c[0] - need_v[0]
     reserved = caching.peak_reserved_bytes - best.peak_reserved_bytes
     saves = (f"{best.allocator} needs {format_size(saved)} less than caching "

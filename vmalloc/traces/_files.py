@@ -8,6 +8,7 @@ without end, ``/dev/zero``) is refused with a :class:`~vmalloc.TraceFormatError`
 filling memory.
 """
 
+import contextlib
 import gzip
 import io
 import os
@@ -147,3 +148,24 @@ def bounded_lines(text, path, limit=MAX_LINE_CHARS):
                 f"line {number} is longer than {limit:,} characters: not a trace of this "
                 "format (or corrupt)", path, number)
         yield line
+
+
+@contextlib.contextmanager
+def atomic_output(path):
+    """Yields the name to write ``path`` under: a file beside it, renamed to ``path`` once
+    the block ends, removed if it raises, so ``path`` appears only once complete. An OSError
+    names ``path``, never the temporary name (the user did not choose it and would not find
+    it: it is gone)."""
+    partial = path + ".partial"
+    try:
+        yield partial
+        os.replace(partial, path)
+    except BaseException as error:
+        try:
+            os.remove(partial)
+        except OSError:
+            pass
+        if isinstance(error, OSError) and partial in (error.filename, error.filename2):
+            # OSError(errno, ...) gives the subclass of the errno (IsADirectoryError...)
+            raise OSError(error.errno, error.strerror, path) from None
+        raise

@@ -3,6 +3,7 @@
 import os
 
 from vmalloc.errors import InvalidArgumentError
+from vmalloc.traces._files import atomic_output
 from vmalloc.traces.events import ALLOC
 from vmalloc.traces.reader import open_trace
 from vmalloc.traces.vmtrace import VmtraceWriter
@@ -73,16 +74,10 @@ def convert(src, dst, format=None, device="auto", before_window="auto", encoding
         "device": trace.device,
         "before_window": before_window,
     }
-    partial = dst + ".partial"
-    try:
+    with atomic_output(dst) as partial:
         writer = (_RmmCsvWriter(partial) if fmt == "rmm_csv" else
                   VmtraceWriter(partial, encoding=encoding, consistent=True, metadata=metadata))
         with writer as w:
             for batch in trace.batches():
                 w.write(batch)
-        os.replace(partial, dst)
-    except BaseException:
-        if os.path.exists(partial):
-            os.remove(partial)
-        raise
     return trace.info

@@ -27,7 +27,7 @@ managers), and ``core`` (the public class).
 
 from vmalloc.offload.runtime.buffers import Buffer, FunctionPointers
 from vmalloc.offload.runtime.core import DEFAULT_MARGIN_FRACTION, STATS_KEYS, Runtime
-from vmalloc.offload.runtime.recording import BudgetWarning
+from vmalloc.offload.runtime.recording import BudgetWarning, warn_user
 
 __all__ = ["Runtime", "Buffer", "FunctionPointers", "BudgetWarning", "STATS_KEYS",
-           "DEFAULT_MARGIN_FRACTION"]
+           "DEFAULT_MARGIN_FRACTION", "warn_user"]

@@ -371,20 +371,14 @@ class Residency:
     def _over_budget(self, nbytes):
         """Nothing is left to evict but the running function's buffers: the budget cannot be
         kept for this function. Counted, and said once (with the unschedulable budget)."""
-        import warnings
-        from vmalloc.offload.runtime.recording import BudgetWarning
-
         self._stats["over_budget"] += 1
         held = self._device_bytes + nbytes
-        what = (f"function {self._step} ({self._fn_name})" if self._in_function
-                else "an allocation outside functions")
+        what = self.running_function() or "an allocation outside functions"
         message = (f"{what} needs {held} bytes on the device at once; the budget is "
                    f"{self.budget} bytes: it runs over the budget")
         if self._schedule_error is None:
             self._schedule_error = message
-        if not self._warned_unschedulable:
-            self._warned_unschedulable = True
-            warnings.warn(message, BudgetWarning, stacklevel=5)
+        self.say_budget(message)
 
     def _make_resident(self, bufs):
         """Every buffer of the running function resident, its swap-in waited."""

@@ -5,7 +5,6 @@ memory) and ``stats()``. The halves it is made of live beside it: buffers and ev
 
 from __future__ import annotations
 
-import warnings
 from collections import OrderedDict
 from typing import Dict, Iterable, List, Optional
 
@@ -16,7 +15,7 @@ from vmalloc.offload.runtime.divergence import Divergence
 from vmalloc.offload.runtime.following import Following
 from vmalloc.offload.runtime.recompute import Recomputation, init_recompute_state
 from vmalloc.offload.runtime.scopes import _Function, _Iteration
-from vmalloc.offload.runtime.recording import BudgetWarning, Recording
+from vmalloc.offload.runtime.recording import Recording, warn_user
 from vmalloc.sizes import parse_size
 
 #: Device bytes left out of the budget when none is given: allocator metadata, rounding.
@@ -29,7 +28,7 @@ STATS_KEYS = (
     "on_demand_swap_ins", "evictions", "scheduled_swap_outs", "scheduled_swap_ins",
     "prefetch_failures", "over_budget", "device_bytes", "peak_device_bytes", "budget_bytes",
     "pinned_bytes", "schedule_error", "swapped_out_bytes", "swapped_in_bytes", "swap",
-    "recomputed_functions", "recompute_drops")
+    "recomputed_functions", "recompute_drops", "recompute_reason")
 
 
 class Runtime(Compression, Residency, Recording, Following, Divergence, Recomputation):
@@ -41,7 +40,7 @@ class Runtime(Compression, Residency, Recording, Following, Divergence, Recomput
         budget: the most device bytes the program's buffers may hold at once (an int or a
             string such as ``"12GiB"``). None: the device's capacity less 5 % (no limit for a
             swap backend without a device). A budget above the device's capacity is clamped
-            to the capacity, with a :class:`BudgetWarning`.
+            to the capacity, with a :class:`~vmalloc.offload.BudgetWarning`.
         scheduler: ``"window"`` (default), ``"lms"``, ``"vdnn"`` or ``"none"``, or a scheduler
             object with a ``schedule(seq)`` method.
         window: the window scheduler's byte window (default: the budget).
@@ -88,9 +87,8 @@ class Runtime(Compression, Residency, Recording, Following, Divergence, Recomput
             if self.budget == 0:
                 raise InvalidArgumentError("budget must be positive (None: capacity - margin)")
             if capacity and self.budget > capacity:
-                warnings.warn(f"the budget of {self.budget} bytes exceeds the device's "
-                              f"capacity of {capacity} bytes; using {capacity}",
-                              BudgetWarning, stacklevel=2)
+                warn_user(f"the budget of {self.budget} bytes exceeds the device's "
+                          f"capacity of {capacity} bytes; using {capacity}")
                 self.budget = capacity
         self.window = None if window is None else parse_size(window, "window")
         if swap is None:
@@ -381,6 +379,7 @@ class Runtime(Compression, Residency, Recording, Following, Divergence, Recomput
         out["pinned_bytes"] = sum(b.footprint for b in self._buffers.values()
                                   if not b.movable)
         out["schedule_error"] = self._schedule_error
+        out["recompute_reason"] = self._recompute_reason
         swap = self.swap.stats()
         out["swap"] = swap
         out["swapped_out_bytes"] = swap.get("bytes_swapped_out", 0)

@@ -77,13 +77,27 @@ class Recomputation:
         fns = seq.functions
         rerunnable = self._record_rerunnable
         droppable = self._droppable_nbytes
+        seen = {"gap": False, "chain": False, "droppable": False}   # (recompute_reason)
 
         def eligible(v, chain):
-            return (droppable(seq.variables[v].nbytes)
-                    and all(c in rerunnable and set(fns[c].outputs) == {v} for c in chain))
+            seen["gap"] = True
+            ok = all(c in rerunnable and set(fns[c].outputs) == {v} for c in chain)
+            seen["chain"] = seen["chain"] or ok
+            ok = ok and droppable(seq.variables[v].nbytes)
+            seen["droppable"] = seen["droppable"] or ok
+            return ok
 
         variables = recompute_candidates(seq, self._recompute_gpu, eligible=eligible)
         if not variables:
+            self._recompute_reason = (
+                "no function with a rerun (Runtime.call, or enter_function's rerun)"
+                if not rerunnable else
+                "no buffer goes unused long enough between its uses to be dropped"
+                if not seen["gap"] else
+                "no function with a rerun writes a buffer alone" if not seen["chain"] else
+                "no buffer a rerun writes can be dropped (released and mapped again at its "
+                "address)" if not seen["droppable"] else
+                "nothing is cheaper to recompute than its swap")
             return None
         rc = with_recompute(seq, variables)
         try:
@@ -91,8 +105,10 @@ class Recomputation:
             sched.recompute = rc
             sched.check(seq, self.budget)
         except ScheduleError:
+            self._recompute_reason = "no schedule with recompute fits the budget"
             return None       # the plain plan (or on demand) stands
         if base is not None and sched.swap_out_bytes(seq) >= base.swap_out_bytes(seq):
+            self._recompute_reason = "nothing is cheaper to recompute than its swap"
             return None
         chains = seq._recompute_chains[2]
         self._rc_chain = {v: chains[v][0] for v in variables}
@@ -313,3 +329,5 @@ def init_recompute_state(rt, recompute, gpu):
     rt._dropped: Dict[int, Tuple] = {}         # buffer id -> (chain entries, input ids)
     rt._dependents: Dict[int, Set[int]] = {}   # input buffer id -> dropped buffer ids
     rt._rc_backed: Set[int] = set()            # dropped buffer ids whose memory is mapped
+    rt._recompute_reason = None   # why the last plan recomputes nothing (recompute=True)
+    rt._warned_recompute = False

@@ -6,6 +6,8 @@ raised under ``strict=True``."""
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 
 
@@ -14,8 +16,50 @@ class BudgetWarning(UserWarning):
     device): it says so once, then runs on demand."""
 
 
+def _library_files():
+    """File name prefixes that are not the program's: vmalloc, contextlib (the ``with``
+    blocks) and the framework a driver runs (its ops and hooks call into the driver)."""
+    import contextlib
+
+    import vmalloc
+
+    prefixes = [os.path.dirname(vmalloc.__file__) + os.sep, contextlib.__file__]
+    for name in ("torch", "nnabla", "cupy"):
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path:
+            prefixes.append(os.path.dirname(path) + os.sep)
+    return tuple(prefixes)
+
+
+def warn_user(message, category=BudgetWarning):
+    """``warnings.warn`` pointing at the program's line: the first caller outside the
+    library files (a fixed stacklevel points into vmalloc or PyTorch, whichever path the
+    warning took)."""
+    skip = _library_files()
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level + 1)
+
+
 class Recording:
     """The recording half of :class:`~vmalloc.offload.Runtime` (a mixin)."""
+
+    def running_function(self):
+        """The running function as every budget message names it, ``"function 3 (name)"``
+        (its index in the iteration); None outside functions."""
+        return f"function {self._step} ({self._fn_name})" if self._in_function else None
+
+    def say_budget(self, message) -> bool:
+        """Says that the budget cannot be kept, once per runtime: a :class:`BudgetWarning`
+        pointing at the program's line (later broken promises are counted in ``stats()``,
+        not said again). For a driver that finds one itself (an op whose outputs do not
+        fit); returns whether it warned."""
+        if self._warned_unschedulable:
+            return False
+        self._warned_unschedulable = True
+        warn_user(message)
+        return True
 
     def _note_transient(self, buf):
         k = len(self._iter_allocs)
@@ -85,14 +129,25 @@ class Recording:
                 # This budget cannot be scheduled (so): run on demand, which evicts as needed.
                 self._schedule = None
                 self.last_schedule_error = error
-            if self.recompute and scheduler is not None and self.budget is not None:
-                # Recompute instead of swapping where it moves fewer bytes (or fits at all).
-                rc = self._recompute_plan(seq, scheduler, self._schedule)
-                if rc is not None:
-                    self._schedule = rc
-                    self.last_schedule_error = None
+            if self.recompute:
+                self._recompute_reason = None
+                if self.budget is None or (self._schedule is not None
+                                           and self._schedule.swap_out_bytes(seq) == 0):
+                    self._recompute_reason = "no budget pressure: nothing is swapped"
+                elif scheduler is None:    # (the scheduler itself could not be made)
+                    self._recompute_reason = "no schedule with recompute fits the budget"
+                else:
+                    # Recompute instead of swapping where it moves fewer bytes (or fits).
+                    rc = self._recompute_plan(seq, scheduler, self._schedule)
+                    if rc is not None:
+                        self._schedule = rc
+                        self.last_schedule_error = None
             if self._schedule is not None:
                 break
+        if self._recompute_reason is not None and not self._warned_recompute:
+            self._warned_recompute = True     # said once; stats() keeps the latest
+            warn_user(f"recompute=True recomputes nothing: {self._recompute_reason}",
+                      UserWarning)
         if had_schedule:
             self._stats["reschedules"] += 1
         if self._schedule is None:
@@ -106,19 +161,29 @@ class Recording:
         """Says (once) that no schedule fits; raises under ``strict``."""
         from vmalloc.offload.schedule import ScheduleError
 
-        fn, need = _largest_function(seq)
-        where = (f"function {fn} ({seq.functions[fn].name}) needs {need} bytes at once"
-                 if fn is not None else "the iteration has no function")
-        message = (f"no schedule fits the budget of {self.budget} bytes: {where}. The "
-                   f"scheduler said: {error}. Iterations run on demand and may exceed the "
-                   "budget")
+        named = getattr(error, "function", None)
+        need = getattr(error, "needed_bytes", None)
+        if named is not None and 0 <= named < len(seq.functions) and need is None:
+            # The scheduler names the function it failed at: the message names that one only
+            # (another, "the largest", beside it read as two culprits).
+            fn = named
+            message = (f"no schedule fits the budget of {self.budget} bytes: {error}. "
+                       "Iterations run on demand and may exceed the budget")
+        else:
+            if named is not None and 0 <= named < len(seq.functions):
+                fn = named     # with the bytes the scheduler counted for it
+            else:
+                fn, need = _largest_function(seq)
+            where = (f"function {fn} ({seq.functions[fn].name}) needs {need} bytes at once"
+                     if fn is not None else "the iteration has no function")
+            message = (f"no schedule fits the budget of {self.budget} bytes: {where}. The "
+                       f"scheduler said: {error}. Iterations run on demand and may exceed "
+                       "the budget")
         self._schedule_error = message
         self._schedule_need = (seq.functions[fn].name if fn is not None else None, need)
         if self.strict:
             raise ScheduleError(message, function=fn)
-        if not self._warned_unschedulable:
-            self._warned_unschedulable = True
-            warnings.warn(message, BudgetWarning, stacklevel=4)
+        self.say_budget(message)
 
     def _make_scheduler(self, persistent):
         spec = self._scheduler_spec
