@@ -5,6 +5,7 @@ memory) and ``stats()``. The halves it is made of live beside it: buffers and ev
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from typing import Dict, Iterable, List, Optional
 
