@@ -162,7 +162,8 @@ def test_a_recompute_failing_on_the_way_out_does_not_mask_the_programs_error(mon
 
     model, opt = make()
     batches = data(4)
-    with pytest.warns(RuntimeWarning, match=r"leaving out_of_core after Oom: buffer \d+ could "
+    with pytest.warns(RuntimeWarning, match=r"leaving out_of_core after Oom failed too: "
+                                            r"RecomputeError: buffer \d+ could "
                                             r"not be recomputed.*rerun broke"):
         with pytest.raises(Oom, match="simulated"):
             with vtorch.out_of_core(budget="24MiB", backend="poison", device="cpu",
