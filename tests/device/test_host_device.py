@@ -365,6 +365,8 @@ def test_counters_and_modeled_seconds_exact():
     c = dev.counters()
     assert (c["create"], c["reserve"], c["map"], c["set_access"]) == (3, 1, 4, 1)
     assert c["memory_management_calls"] == 9
+    # the simulator's cheap read: the same two figures, exactly
+    assert dev.modeled_cost() == (c["modeled_seconds"], 9)
     assert c["modeled_seconds"] == pytest.approx(3 * 193e-6 + 19e-6 + 4 * 1.45e-6 + 36e-6,
                                                  rel=1e-12)
     dev.write(p, b"\0" * 1000)

@@ -139,3 +139,37 @@ def test_plan_leaves_an_infeasible_plateau_below_the_grid_best(monkeypatch):
     p = plan(chain(4), get_gpu("v100-16gb").with_(memory_bytes=mem), "window", "virtual")
     assert p.feasible
     assert 0.975 <= p.params["budget"] / mem <= 0.98
+
+
+@pytest.mark.parametrize("scheduler", ["window", "lms"])
+def test_plan_simulates_each_distinct_schedule_once_with_the_same_results(monkeypatch, scheduler):
+    """Nearby parameters often give the same steps: a plan simulates each distinct schedule
+    once (counted), and a reused simulation is exactly what simulating that schedule gives
+    (its own params and budget included)."""
+    import vmalloc.offload.planner as planner
+    from vmalloc.offload.gpus import get_gpu
+
+    seq = chain(24)
+    g = get_gpu("v100-16gb").with_(memory_bytes=1 << 30)
+    calls, tries = [], []
+    real_sim, real_try = planner.simulate, planner._try
+
+    def counting_sim(*a, **k):
+        calls.append(planner._content(a[1], None))
+        return real_sim(*a, **k)
+
+    def recording_try(*a, **k):
+        out = real_try(*a, **k)
+        tries.append(out)
+        return out
+
+    monkeypatch.setattr(planner, "simulate", counting_sim)
+    monkeypatch.setattr(planner, "_try", recording_try)
+    p = plan(seq, g, scheduler, "virtual")
+    assert p.feasible
+    simulated = [(s, r) for s, r, _ in tries if s is not None]
+    distinct = {planner._content(s, None) for s, _ in simulated}
+    assert len(calls) == len(set(calls)) == len(distinct)
+    assert len(distinct) < len(simulated)         # some were reused
+    for s, r in simulated:
+        assert r == real_sim(seq, s, gpu=g, allocator="virtual")

@@ -28,6 +28,7 @@ then bisection).
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -116,14 +117,36 @@ def _schedule_with_choices(seq, name, params, gpu, recompute, compress):
 
 
 def _try(seq, name, params, gpu, allocator, chunk_size, reference=None, recompute=None,
-         compress=None):
+         compress=None, sims=None):
     try:
         sched = schedule_with_choices(seq, name, params, gpu, recompute, compress)
     except ScheduleError as e:
         return None, None, str(e)
-    r = simulate(seq, sched, gpu=gpu, allocator=allocator, chunk_size=chunk_size,
-                 reference=reference)
+    # Nearby parameters often give the very same steps (a tenth of a table's simulations):
+    # ``sims`` (one plan's) maps a schedule's content to its simulation, which depends on
+    # nothing else but the schedule's params and budget, copied into the result.
+    key = None if sims is None else _content(sched, recompute)
+    if key is not None and key in sims:
+        r = copy.deepcopy(sims[key])
+        r.params = dict(sched.params)
+        r.budget_bytes = sched.budget if sched.budget is not None else r.capacity_bytes
+    else:
+        r = simulate(seq, sched, gpu=gpu, allocator=allocator, chunk_size=chunk_size,
+                     reference=reference)
+        if key is not None:
+            sims[key] = r
     return sched, r, (r.oom_message if r.out_of_memory else None)
+
+
+def _content(sched, recompute):
+    """What a simulation of ``sched`` depends on, as a dict key; the recompute variant stands
+    for the expanded sequence (one per variant: its candidates depend on nothing else)."""
+    return (sched.scheduler, recompute if sched.recompute is not None else None,
+            sched.initial_resident, tuple(sched.end_wait_swap_out), tuple(sched.end_drop),
+            sched.compressed,
+            tuple((tuple(s.wait_swap_out), tuple(s.allocate), tuple(s.swap_in),
+                   tuple(s.wait_swap_in), tuple(s.free), tuple(s.swap_out), tuple(s.drop))
+                  for s in sched.steps))
 
 
 GOLDEN = (math.sqrt(5) - 1) / 2
@@ -204,7 +227,7 @@ def plan(seq, gpu="v100-16gb", scheduler="window", allocator="virtual", budget=N
             return seen[key]
         tried[0] += 1
         sched, r, why = _try(seq, scheduler, {**params, **extra}, gpu, allocator, chunk_size,
-                             reference, variant[0], compress)
+                             reference, variant[0], compress, sims)
         ips = None
         if r is not None and not r.out_of_memory:
             ips = r.images_per_second or 0.0
@@ -219,6 +242,7 @@ def plan(seq, gpu="v100-16gb", scheduler="window", allocator="virtual", budget=N
         return ips
 
     seen = {}
+    sims = {}
     if recompute is True:
         variants = [None, "memory", "all"]
     elif recompute:
