@@ -122,8 +122,13 @@ class CompilePolicy:
         self.sequence = sequence
         self.budget = budget
         self.link_gbps = link_gbps
-        self._counts = dict(counts, unmatched_ops=0, recompute_refused=0)
+        self._counts = dict(counts)
+        # Keys, not calls: dynamo and AOTAutograd each trace the region (and eager runs it
+        # again to recompute), so one op meets the policy more than once.
+        self._refused = {"unmatched": set(), "recompute": set(), "offload": set()}
         self._said = set()
+        #: False when the plan could not be mapped (already said): nothing is unmatched then.
+        self.mapped = bool(decisions)
 
         def context_fn():
             from torch.utils.checkpoint import create_selective_checkpoint_contexts
@@ -150,21 +155,25 @@ class CompilePolicy:
                 return P.PREFER_RECOMPUTE
             what = self.decisions.get((name, index))
             if what is None:
-                if not ctx.is_recompute:
+                if self.mapped:
                     self._unmatched(name, index)
                 return P.MUST_SAVE
             if what == OFFLOAD:
-                return P.MUST_CPU_OFFLOAD
+                if len(func._schema.returns) == 1:
+                    return P.MUST_CPU_OFFLOAD
+                # AOTAutograd offloads one tensor per node: a multi-output op's node is a
+                # tuple (its partitioner fails on it), so such an op is saved.
+                self._refused["offload"].add((name, index))
+                return P.MUST_SAVE
             if what == RECOMPUTE:
                 if rerunnable(func, "cpu"):
                     return P.MUST_RECOMPUTE
-                if not ctx.is_recompute:
-                    self._counts["recompute_refused"] += 1
+                self._refused["recompute"].add((name, index))
             return P.MUST_SAVE
         return decide
 
     def _unmatched(self, name, index):
-        self._counts["unmatched_ops"] += 1
+        self._refused["unmatched"].add((name, index))
         self._say("unmatched", f"{name} (occurrence {index}) in the checkpointed region is "
                   "not in the recorded forward: saved (MUST_SAVE); the region differs from the "
                   "model and example the policy was made for, so the plan is not followed")
@@ -178,11 +187,17 @@ class CompilePolicy:
     def stats(self) -> dict:
         """Counts: ``offload``, ``recompute``, ``save`` (decisions made), ``unmatched_ops``
         (ops met that had none), ``recompute_refused`` (planned recomputes of ops that
-        would not give the same bits: saved), ``persistent_swaps_ignored``."""
-        return dict(self._counts)
+        would not give the same bits: saved), ``offload_refused`` (planned offloads of ops
+        with several outputs, which AOTAutograd cannot offload: saved),
+        ``persistent_swaps_ignored`` (the plan's swaps of parameters and optimizer state)."""
+        out = dict(self._counts)
+        out.update(unmatched_ops=len(self._refused["unmatched"]),
+                   recompute_refused=len(self._refused["recompute"]),
+                   offload_refused=len(self._refused["offload"]))
+        return out
 
     def __repr__(self):
-        c = self._counts
+        c = self.stats()
         return (f"CompilePolicy(budget={self.budget}, link_gbps={self.link_gbps:g}, "
                 f"offload={c[OFFLOAD]}, recompute={c[RECOMPUTE]}, save={c[SAVE]})")
 
@@ -267,6 +282,7 @@ def policy(model, example, loss_fn=None, budget=None, link_gbps=None, optimizer=
         result._say("unschedulable", message)
         return result
     result.decisions = _decide(seq, chosen.schedule, keys)
+    result.mapped = True
     for what in result.decisions.values():
         result._counts[what] += 1
     result._counts["persistent_swaps_ignored"] = sum(
@@ -282,6 +298,9 @@ def _mark_offloads(previous, graph, inputs):
     for node in graph.graph.nodes:
         if node.meta.get("recompute") in (P.MUST_CPU_OFFLOAD, P.PREFER_CPU_OFFLOAD):
             node.meta["should_offload"] = True
+            # Offloaded means saved, then moved: the partitioner knows only save/recompute
+            # (left as CPU_OFFLOAD, its min-cut may cut elsewhere and fail on a getitem).
+            node.meta["recompute"] = P.MUST_SAVE
     return previous(graph, inputs) if callable(previous) else graph
 
 
