@@ -291,3 +291,19 @@ def test_transformer_blocks_offload_and_match_in_core():
     assert {n.name for n in graphs["backward"].graph.nodes
             if n.target is torch.ops.prims.device_put.default} == \
         {p.replace("cpu_offload_", "gpu_reload_") for p in puts}
+
+
+def test_example_runs():
+    """examples/torch_compile_out_of_core.py runs on CPU and finds what the tests find."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(root / "examples" / "torch_compile_out_of_core.py")],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ),
+                          cwd=str(root.parent))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "forward graph: 4 offload(s); backward graph: 4 reload(s), 2 gelu recomputed" \
+        in done.stdout
+    assert "weights bit-identical: True" in done.stdout

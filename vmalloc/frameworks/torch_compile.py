@@ -21,24 +21,28 @@
 The keys are made by replaying the model's forward on meta under the recorder's own dispatch
 mode with a counting mode inside it, so each recorded function knows its key; that forward must
 be the recorded iteration's prefix, function for function (else nothing is mapped: said once,
-everything ``MUST_SAVE``). At run time an op that moves data but has no key (the region is not
-the recorded forward: another model, input shapes that change the op sequence) is said once (a
-``UserWarning``, counted in ``stats()["unmatched_ops"]``) and saved: ``MUST_SAVE`` is always
-correct, only the memory plan is not followed. Views and metadata ops are
-``PREFER_RECOMPUTE`` (free to recompute; saving a view would pin its base beyond the plan).
-Recompute is mapped only onto ops that give the same bits again (no mutation, no RNG:
-:func:`~vmalloc.frameworks.torch_recompute.rerunnable`), else saved.
+everything ``MUST_SAVE``). At run time an op that moves data but has no key is said once (a
+``UserWarning``; ``stats()["unmatched_ops"]``) and saved: ``MUST_SAVE`` is always correct,
+only that activation's plan is not followed. It happens when the region is not what was
+recorded (another model, shapes that change the op sequence) and where the device picks other
+kernels than meta: recorded on meta, attention is the math path (``bmm``, ``_safe_softmax``),
+on CPU one ``_scaled_dot_product_flash_attention_for_cpu``; other ops keep their keys (the
+count is per name). Views and metadata ops are ``PREFER_RECOMPUTE`` (free to recompute;
+saving a view would pin its base beyond the plan). Recompute is mapped only onto ops that give
+the same bits again (:func:`~vmalloc.frameworks.torch_recompute.rerunnable`), offload only
+onto single-output ops (AOTAutograd offloads one tensor per node); else saved and counted.
 
 **Offloading in AOTAutograd.** In the installed PyTorch nothing turns ``MUST_CPU_OFFLOAD`` into
 the partitioner's ``should_offload`` mark; :func:`offloading_config` adds a joint-graph pass
-(``torch._functorch.config.joint_custom_pass``) that does, and turns on
-``enable_activation_offloading`` with ``activation_offload_cpu_gpu_bw = link_gbps``. With CUDA
-it also asks for the separate copy stream, the sunk waits and reload prefetching; on CPU the
-synchronous form is used (those passes manage CUDA streams): the forward graph then holds
-``prims.device_put(x, cpu)`` nodes named ``cpu_offload_*`` and the backward ``gpu_reload_*``
-nodes, exactly where a GPU would copy, but a CPU-to-CPU copy saves no memory.
-:func:`compile_out_of_core` applies all of it. Not applied: the plan's swaps of parameters and optimizer
-state (counted in ``stats()["persistent_swaps_ignored"]``).
+(``torch._functorch.config.joint_custom_pass``) that marks those nodes and hands them to the
+partitioner as ``MUST_SAVE`` (saved, then moved: left as CPU_OFFLOAD, its min-cut failed on a
+transformer block), and turns on ``enable_activation_offloading`` with
+``activation_offload_cpu_gpu_bw = link_gbps``. With CUDA it also asks for the separate copy
+stream, sunk waits and reload prefetch; on CPU the synchronous form is used (those passes
+manage CUDA streams): the forward graph holds ``prims.device_put(x, cpu)`` nodes named
+``cpu_offload_*``, the backward ``gpu_reload_*``, where a GPU would copy, but a CPU-to-CPU
+copy saves no memory. :func:`compile_out_of_core` applies all of it. Not applied: the plan's
+swaps of parameters and optimizer state (``stats()["persistent_swaps_ignored"]``).
 """
 
 from __future__ import annotations
@@ -70,18 +74,28 @@ def _torch():
     return torch
 
 
-def measured_link_gbps():
-    """The host link's pinned copy speed (GB/s, the slower direction) of the current CUDA
-    device, measured as ``vmalloc doctor`` does (:func:`vmalloc.cli.probe.bandwidth`);
+def measured_link_gbps(nbytes=64 << 20, repeats=3):
+    """The host link's pinned copy speed (GB/s, the slower direction, best of ``repeats``) of
+    the current CUDA device, measured as ``vmalloc doctor`` measures it (pinned host memory,
+    one direction at a time) but through PyTorch: the probe is a layer above the frameworks.
     :data:`CPU_LINK_GBPS` without CUDA."""
     torch = _torch()
     if not torch.cuda.is_available():
         return CPU_LINK_GBPS
-    import vmalloc
-    from vmalloc.cli.probe import bandwidth
-    bw = bandwidth(vmalloc.CudaDevice(torch.cuda.current_device()), nbytes=64 << 20,
-                   repeats=3, pageable=False, both=False)
-    return min(bw["pinned_h2d_gbps"], bw["pinned_d2h_gbps"])
+    import time
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    best = []
+    for dst, src in ((device, host), (host, device)):
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        best.append(nbytes / min(times) / 1e9)
+    return min(best)
 
 
 def _forward_keys(model, args):
