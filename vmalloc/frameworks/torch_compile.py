@@ -125,8 +125,8 @@ def _forward_keys(model, args):
 class CompilePolicy:
     """vmalloc's plan as a selective-checkpoint ``context_fn``: pass ``plan.context_fn`` as
     ``checkpoint(..., use_reentrant=False, context_fn=plan.context_fn)`` (a plain function,
-    which ``torch.compile`` requires; in eager mode the object itself works too). Each call
-    makes fresh occurrence counters. Attributes: ``decisions`` ({(op name, occurrence): "save" |
+    which ``torch.compile`` requires). Each call makes fresh occurrence counters. Eager
+    (uncompiled) checkpointing saves only ``*_SAVE`` ops: there the offloads are recomputed. Attributes: ``decisions`` ({(op name, occurrence): "save" |
     "recompute" | "offload"}), ``plan`` (the :class:`vmalloc.offload.Plan`), ``sequence`` (the
     recorded :class:`~vmalloc.offload.FunctionSequence`), ``budget``, ``link_gbps``."""
 
