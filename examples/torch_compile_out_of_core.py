@@ -13,7 +13,6 @@ a CPU-to-CPU copy, so it shows where a GPU would copy, not memory saved. Run::
     python examples/torch_compile_out_of_core.py
 """
 
-import copy
 import time
 
 import torch

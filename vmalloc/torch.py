@@ -281,7 +281,7 @@ def policy(model, example, loss_fn=None, budget=None, link_gbps=None, optimizer=
     Records one iteration on the meta device, plans it under ``budget`` with a link of
     ``link_gbps`` GB/s (None: measured on CUDA, a documented constant on CPU), and maps each
     activation to ``MUST_CPU_OFFLOAD``, ``MUST_RECOMPUTE`` or ``MUST_SAVE``. Returns a
-    :class:`CompilePolicy`, itself usable as ``checkpoint(..., context_fn=plan)``. See
+    :class:`CompilePolicy`; ``checkpoint(..., context_fn=plan.context_fn)`` uses it. See
     :mod:`vmalloc.frameworks.torch_compile`.
     """
     from vmalloc.frameworks.torch_compile import policy as _policy

@@ -186,7 +186,8 @@ def test_policy_function_answers():
     expected = {"offload": P.MUST_CPU_OFFLOAD, "recompute": P.MUST_RECOMPUTE,
                 "save": P.MUST_SAVE}
     for k in range(DEPTH + 1):
-        assert decide(Ctx, aten.addmm.default) == expected[plan.decisions[("aten.addmm.default", k)]]
+        assert decide(Ctx, aten.addmm.default) == \
+            expected[plan.decisions[("aten.addmm.default", k)]]
         if k < DEPTH:
             assert decide(Ctx, aten.gelu.default) == \
                 expected[plan.decisions[("aten.gelu.default", k)]]

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import warnings
 from collections import Counter
 
 from vmalloc.errors import InvalidArgumentError
@@ -126,7 +125,8 @@ class CompilePolicy:
     """vmalloc's plan as a selective-checkpoint ``context_fn``: pass ``plan.context_fn`` as
     ``checkpoint(..., use_reentrant=False, context_fn=plan.context_fn)`` (a plain function,
     which ``torch.compile`` requires). Each call makes fresh occurrence counters. Eager
-    (uncompiled) checkpointing saves only ``*_SAVE`` ops: there the offloads are recomputed. Attributes: ``decisions`` ({(op name, occurrence): "save" |
+    (uncompiled) checkpointing saves only ``*_SAVE`` ops: there the offloads are recomputed.
+    Attributes: ``decisions`` ({(op name, occurrence): "save" |
     "recompute" | "offload"}), ``plan`` (the :class:`vmalloc.offload.Plan`), ``sequence`` (the
     recorded :class:`~vmalloc.offload.FunctionSequence`), ``budget``, ``link_gbps``."""
 
@@ -335,7 +335,7 @@ def offloading_config(link_gbps=None) -> dict:
 
 def compile_out_of_core(model, plan: CompilePolicy, backend="inductor", **options):
     """``model`` compiled with ``plan`` applied: its forward is one checkpointed region
-    (``use_reentrant=False, context_fn=plan``), compiled by ``torch.compile(backend=...,
+    (``use_reentrant=False, context_fn=plan.context_fn``), compiled by ``torch.compile(backend=...,
     **options)``, and called under :func:`offloading_config` (``plan.link_gbps``). Returns a
     module sharing ``model``'s parameters."""
     torch = _torch()
@@ -358,7 +358,8 @@ def _region_class():
 
         def forward(self, *args):
             from torch.utils.checkpoint import checkpoint
-            return checkpoint(self.model, *args, use_reentrant=False, context_fn=self.plan.context_fn)
+            return checkpoint(self.model, *args, use_reentrant=False,
+                              context_fn=self.plan.context_fn)
 
     class Compiled(torch.nn.Module):
         def __init__(self, model, plan, compiled):
