@@ -8,6 +8,8 @@ and recompute re-runs the same kernel on the same inputs)."""
 import warnings
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch", reason="vmalloc.torch.policy needs PyTorch")
 
@@ -325,3 +327,45 @@ def test_example_runs():
     assert "forward graph: 4 offload(s); backward graph: 4 reload(s), 2 gelu recomputed" \
         in done.stdout
     assert "weights bit-identical: True" in done.stdout
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 4), st.sampled_from([32, 64]), st.floats(0.1, 1.0),
+       st.sampled_from([0.5, 12.0, 1000.0]))
+def test_decisions_follow_the_schedule(depth, width, fraction, link):
+    """Whatever the network, budget and link: one decision per forward function, and each is
+    what the chosen schedule does with the activation the function creates."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
+    x, y = torch.randn(256, width), torch.randint(0, 10, (256,))
+    params = sum(p.numel() * 4 for p in model.parameters())
+    budget = 3 * params + int(fraction * 256 * width * 4 * 2 * depth)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # an infeasible budget is said: not tested here
+        plan = vtorch.policy(model, (x, y), loss_fn=LOSS, budget=budget, link_gbps=link)
+    if not plan.plan.feasible:
+        assert plan.decisions == {} and not plan.mapped
+        return
+    seq, sched = plan.sequence, plan.plan.schedule
+    n = 2 * depth + 1
+    assert sorted(plan.decisions) == sorted(
+        [("aten.addmm.default", i) for i in range(depth + 1)] +
+        [("aten.gelu.default", i) for i in range(depth)])
+    rc = sched.recompute
+    turn = n if rc is None else rc.index[n]
+    out_fw = {v for s in sched.steps[:turn] for v in s.swap_out}
+    in_bw = {v for s in sched.steps[turn:] for v in s.swap_in}
+    recomputed = set(rc.variables) if rc is not None else set()
+    seen = {}
+    for f in seq.functions[:n]:
+        index = seen.get(f.name, 0)
+        seen[f.name] = index + 1
+        (v,) = [v for v in f.outputs if v not in f.inputs]      # each creates one activation
+        expected = ("recompute" if v in recomputed else
+                    "offload" if v in out_fw and v in in_bw else "save")
+        assert plan.decisions[(f.name, index)] == expected
+    stats = plan.stats()
+    assert stats["save"] + stats["recompute"] + stats["offload"] == n
