@@ -26,13 +26,17 @@ from vmalloc._core.device_map import as_device_map
 from vmalloc.errors import OutOfMemoryError, VmallocError
 
 __all__ = [
+    "CompilePolicy",
     "OutOfCore",
     "check_out_of_memory",
+    "compile_out_of_core",
     "is_installed",
     "memory_snapshot",
     "memory_stats",
     "memory_summary",
+    "offloading_config",
     "out_of_core",
+    "policy",
     "pluggable_allocator",
     "reset_peak_memory_stats",
     "use_vmalloc",
@@ -266,9 +270,46 @@ def out_of_core(budget=None, scheduler="window", window=None, backend=None, min_
                         compress=compress)
 
 
+def policy(model, example, loss_fn=None, budget=None, link_gbps=None, optimizer="sgd",
+           gpu="v100-16gb", strict=False):
+    """vmalloc's plan for *compiled* training as a selective-checkpoint policy::
+
+        plan = vmalloc.torch.policy(model, (x, y), loss_fn=loss_fn, budget="6GiB")
+        step_model = vmalloc.torch.compile_out_of_core(model, plan)   # torch.compile inside
+        loss_fn(step_model(x), y).backward()
+
+    Records one iteration on the meta device, plans it under ``budget`` with a link of
+    ``link_gbps`` GB/s (None: measured on CUDA, a documented constant on CPU), and maps each
+    activation to ``MUST_CPU_OFFLOAD``, ``MUST_RECOMPUTE`` or ``MUST_SAVE``. Returns a
+    :class:`CompilePolicy`; ``checkpoint(..., context_fn=plan.context_fn)`` uses it. See
+    :mod:`vmalloc.frameworks.torch_compile`.
+    """
+    from vmalloc.frameworks.torch_compile import policy as _policy
+    return _policy(model, example, loss_fn=loss_fn, budget=budget, link_gbps=link_gbps,
+                   optimizer=optimizer, gpu=gpu, strict=strict)
+
+
+def compile_out_of_core(model, plan, backend="inductor", **options):
+    """``torch.compile`` of ``model``'s forward checkpointed under ``plan`` (a
+    :class:`CompilePolicy`), called with :func:`offloading_config` on. Returns a module
+    sharing ``model``'s parameters."""
+    from vmalloc.frameworks.torch_compile import compile_out_of_core as _compile
+    return _compile(model, plan, backend=backend, **options)
+
+
+def offloading_config(link_gbps=None):
+    """The ``torch._functorch.config`` settings that lower ``MUST_CPU_OFFLOAD`` into offload /
+    reload ops (see :func:`vmalloc.frameworks.torch_compile.offloading_config`)."""
+    from vmalloc.frameworks.torch_compile import offloading_config as _config
+    return _config(link_gbps)
+
+
 def __getattr__(name):
     if name == "OutOfCore":
         from vmalloc.frameworks.torch_out_of_core import OutOfCore
         return OutOfCore
+    if name == "CompilePolicy":
+        from vmalloc.frameworks.torch_compile import CompilePolicy
+        return CompilePolicy
     raise AttributeError(f"module 'vmalloc.torch' has no attribute {name!r}")
 

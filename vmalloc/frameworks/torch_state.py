@@ -259,7 +259,8 @@ class Readers:
                 self.driver._say(
                     "compile", "torch.compile'd code runs eager inside vmalloc.torch."
                     "out_of_core: PyTorch's Dynamo skips every frame while a dispatch mode is "
-                    "active, so compiled regions run op by op (correct, not compiled)",
+                    "active, so compiled regions run op by op (correct, not compiled); for compiled "
+                    "training, plan with vmalloc.torch.policy outside the block",
                     budget=False)
                 return
             frame = frame.f_back
