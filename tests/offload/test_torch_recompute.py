@@ -197,3 +197,32 @@ def test_nested_out_of_core_is_refused_and_the_outer_block_goes_on():
     assert outer.stats()["scheduled_iterations"] == 2
     with vtorch.out_of_core(budget="24MiB", backend="poison", device="cpu"):
         pass                       # once left, a block may be entered again
+
+
+def test_a_rerun_reads_through_temporary_tensor_objects():
+    # An op reads a temporary view of a storage the program keeps (a transformer's
+    # x.view(...) into a linear, the 3-D view of addmm's output into an activation) and its
+    # output object is replaced by a view of it. Before, the rerun held the tensor objects by
+    # weak reference: both died with the temporaries, ready() was False and the runtime refused
+    # every planned drop of the output. Now it holds their storages (and views of them).
+    import gc
+
+    from vmalloc.frameworks.torch_recompute import AtenRerun
+
+    x = torch.randn(64, 256)
+    v = x.view(64, 2, 128)
+    out = torch.tanh(v)
+    rerun = AtenRerun.make(torch.ops.aten.tanh.default, (v,), {}, out, lambda t: True)
+    want = out.clone()
+    kept = out.view(64, 256)       # the program keeps only a view of the output
+    del v, out
+    gc.collect()
+    assert rerun.ready()
+    kept.fill_(float("nan"))       # dropped: its bytes are gone
+    rerun()
+    assert torch.equal(kept.view(64, 2, 128), want)
+    del x                          # the input's storage itself gone: the rerun cannot run
+    gc.collect()
+    assert not rerun.ready()
+    with pytest.raises(RuntimeError, match="an input of aten.tanh.default is gone"):
+        rerun()
