@@ -3,6 +3,8 @@ dropped storage is poisoned (0xFF: NaN) and the driver re-dispatches the aten op
 before its next use, so bit-identical losses and weights prove that every recompute happened
 and reproduced the same bits."""
 
+import warnings
+
 import pytest
 
 import vmalloc
@@ -275,3 +277,27 @@ def test_a_transformer_encoder_recomputes_what_it_plans_bit_identical():
     assert swap_losses == ref
     assert stats["on_demand_swap_ins"] == swap_only.stats()["on_demand_swap_ins"]
     assert stats["swapped_out_bytes"] < swap_only.stats()["swapped_out_bytes"]
+
+
+def test_a_transformer_whose_reruns_cannot_run_is_planned_again_and_said_once(monkeypatch):
+    # Every rerun says it cannot run (as when its input was a temporary that is gone): each
+    # planned drop is refused, the plan is made again without it (the next candidate is then
+    # refused too, and planned away), said once; losses stay bit-identical.
+    from vmalloc.frameworks import torch_recompute
+
+    ref, _ = train_transformer()
+    _, free = train_transformer(budget=1 << 40)
+    budget = free.stats()["peak_device_bytes"] * 65 // 100
+    monkeypatch.setattr(torch_recompute.AtenRerun, "ready", lambda self: False)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        losses, ooc = train_transformer(budget=budget, recompute=True)
+    assert losses == ref
+    stats = ooc.stats()
+    reason = ("1 planned drop(s) could not be followed (its function's rerun cannot run (an "
+              "input or its output is gone)): planned again without them")
+    assert stats["recompute_refused"] == 2 and stats["recompute_drops"] == 0
+    assert stats["recomputed_functions"] == 0 and stats["recompute_reason"] == reason
+    assert [str(w.message) for w in said if "recompute" in str(w.message)] == [
+        f"recompute=True: {reason}"]
+    assert ooc.runtime.schedule.recompute is None     # the plain plan in the end

@@ -191,7 +191,9 @@ class Recomputation:
             self._recompute_reason = self._rc_refusal
         if not self._warned_refusal and warned == self._warned_recompute:
             warn_user(f"recompute=True: {self._rc_refusal}", UserWarning)
-        self._warned_refusal = True
+        # Said once: a later re-plan (the next candidate refused too) says nothing more,
+        # neither does a plan that is then left with nothing to recompute.
+        self._warned_refusal = self._warned_recompute = True
 
     # --- the two memory primitives --------------------------------------------------------------
     def _release(self, buf) -> bool:
