@@ -46,6 +46,7 @@ class Program:
         self.fillers = fillers
         self.reruns = 0
         self.break_rerun = False
+        self.ready = True      # what produce's rerun says of itself (``ready()``)
 
     def iteration(self, seed, diverge=None):
         rt = self.rt
@@ -65,6 +66,7 @@ class Program:
                 raise ValueError("rerun broke")
             self.reruns += 1
             arr(p, a)[...] = arr(p, x) * np.float32(2) + np.float32(1)
+        produce.ready = lambda: self.ready
         rt.call(produce, reads=[x], writes=[a], name="produce")
         expect_x = data.copy()
         for j in range(self.fillers):
@@ -359,3 +361,35 @@ def test_the_warning_points_at_the_with_line():
     np.testing.assert_array_equal(got, want)
     [w] = said_recompute(said)
     assert (w.filename, w.lineno) == (__file__, line)
+
+
+def test_a_plan_whose_drops_are_refused_is_made_again_without_them():
+    # produce's rerun says it cannot run (a driver's rerun whose input is gone): the planned
+    # drop of a is refused, a stays resident over a plan that counted it freed. Before, every
+    # scheduled iteration refused it again, silently (recomputed_functions 0, no reason), and
+    # the budget was kept by evictions on demand. Now the plan is made again without a, said
+    # once, and the next iterations follow the swap-only plan.
+    rt = runtime(budget=10 * MiB)
+    prog = Program(rt)
+    prog.ready = False
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        run_scheduled(rt, prog, iterations=4)
+    st_ = rt.stats()
+    reason = ("1 planned drop(s) could not be followed (its function's rerun cannot run (an "
+              "input or its output is gone)): planned again without them")
+    assert st_["recompute_refused"] == 1 and st_["recompute_drops"] == 0
+    assert st_["recomputed_functions"] == 0
+    assert st_["recompute_reason"] == reason
+    told = [str(w.message) for w in said if "recompute" in str(w.message)]
+    assert told == [f"recompute=True recomputes nothing: {reason}"]
+    assert rt.schedule.recompute is None and st_["reschedules"] == 1
+    # the last two iterations follow the swap-only plan exactly as a runtime without recompute
+    base = runtime(budget=10 * MiB, recompute=False)
+    run_scheduled(base, Program(base), iterations=4)
+    b = base.stats()
+    assert st_["scheduled_iterations"] == b["scheduled_iterations"] == 3
+    assert st_["on_demand_swap_ins"] == b["on_demand_swap_ins"] == 1   # (the recording's)
+    # iteration 1 kept a resident (1 swap-in fewer, a not swapped out); 2 and 3 as the base
+    assert b["scheduled_swap_ins"] - st_["scheduled_swap_ins"] == 1
+    assert b["swapped_out_bytes"] - st_["swapped_out_bytes"] == N * 4

@@ -12,7 +12,8 @@ the element-wise ops of :data:`CUDA_BITWISE` (atomics make index_add, scatter_ad
 backward kernels differ run to run, and no tag marks them), plus convolutions and matrix
 products when ``torch.use_deterministic_algorithms(True)`` is on (then PyTorch itself picks
 deterministic kernels or raises); one fresh output. A tensor argument whose storage the driver
-tracks is held by weak reference (the runtime keeps it unchanged while the output is dropped);
+tracks is held by weak reference to its storage, with its view of it (the runtime keeps the
+storage unchanged while the output is dropped; the tensor object itself may be a temporary);
 an untracked one (below ``min_bytes``: a convolution's weight, a bias) could change unseen, so
 the rerun keeps a copy of it as the op read it (at most ``min_bytes`` each). The rerun never
 keeps a tracked tensor alive that the program has let go of, and says (``ready()``) when it no
@@ -50,6 +51,46 @@ def rerunnable(func, device_type) -> bool:
                                     and torch.are_deterministic_algorithms_enabled())
 
 
+class _Ref:
+    """A weak reference to a tracked tensor's *storage* and its view of it (offset, sizes,
+    strides, dtype): the program's tensor object is often a temporary (``x.view(...)`` passed
+    to an op, an op's output a later view replaces) that dies while its storage, which the
+    runtime keeps, lives on; a weak reference to the object made the rerun unready then, and
+    every planned drop of its output was refused. Calling it rebuilds a tensor over the storage
+    (None once the storage is gone). A tensor whose view is more than its geometry (a subclass,
+    conjugate or negative bits) is held by weak reference to itself, as before."""
+
+    __slots__ = ("storage", "view", "tensor")
+
+    def __init__(self, t):
+        import torch
+
+        self.storage = self.view = self.tensor = None
+        if type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_conj() and \
+                not t.is_neg():
+            self.storage = weakref.ref(t.untyped_storage())
+            self.view = (t.storage_offset(), tuple(t.size()), tuple(t.stride()), t.dtype)
+        else:
+            self.tensor = weakref.ref(t)
+
+    def __call__(self):
+        import torch
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        if self.tensor is not None:
+            return self.tensor()
+        s = self.storage()
+        if s is None:
+            return None
+        offset, size, stride, dtype = self.view
+        with _disable_current_modes(), torch.no_grad():
+            return torch.empty(0, dtype=dtype, device=s.device).set_(s, offset, size, stride)
+
+    def alive(self) -> bool:
+        ref = self.tensor if self.tensor is not None else self.storage
+        return ref() is not None
+
+
 class AtenRerun:
     """Re-runs ``func(*args, **kwargs)`` into ``out``'s storage (see the module docstring)."""
 
@@ -66,12 +107,12 @@ class AtenRerun:
             if not isinstance(x, torch.Tensor):
                 self.leaves.append((False, x))        # sizes, scalars, dtypes as they are
             elif tracked(x):
-                self.leaves.append((True, weakref.ref(x)))
+                self.leaves.append((True, _Ref(x)))
             else:
                 with _disable_current_modes(), torch.no_grad():
                     self.leaves.append((False, x.detach().clone()))
         self.func = func
-        self.out = weakref.ref(out)
+        self.out = _Ref(out)
 
     @staticmethod
     def make(func, args, kwargs, out, tracked):
@@ -80,8 +121,8 @@ class AtenRerun:
         return AtenRerun(func, args, kwargs, out, tracked)
 
     def ready(self) -> bool:
-        return self.out() is not None and all(
-            ref() is not None for is_tensor, ref in self.leaves if is_tensor)
+        return self.out.alive() and all(ref.alive() for is_tensor, ref in self.leaves
+                                        if is_tensor)
 
     def __call__(self, ptrs=None):
         import torch

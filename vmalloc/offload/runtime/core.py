@@ -145,7 +145,8 @@ class Runtime(Compression, Residency, Recording, Following, Divergence, Recomput
                            diverged_iterations=0, schedule_failures=0,
                            scheduled_swap_outs=0, scheduled_swap_ins=0,
                            prefetch_failures=0, functions=0, failed_functions=0,
-                           over_budget=0, recomputed_functions=0, recompute_drops=0)
+                           over_budget=0, recomputed_functions=0, recompute_drops=0,
+                           recompute_refused=0)
         self.last_schedule_error = None
         self._schedule_error = None        # the message said when no schedule fits
         self._schedule_need = None         # (function name, bytes) it names
@@ -223,6 +224,10 @@ class Runtime(Compression, Residency, Recording, Following, Divergence, Recomput
             raise
         finally:
             self._following = False
+        if self._rc_refused and not recorded:
+            if self._sequence is not None:
+                self._replan_refused()     # (a plan the runtime could not follow)
+            self._rc_refused = {}     # (a record dropped meanwhile: recorded anew)
         if recorded:
             self._stats["recorded_iterations"] += 1
             self._build_schedule()

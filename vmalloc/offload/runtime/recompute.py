@@ -83,13 +83,13 @@ class Recomputation:
             seen["gap"] = True
             ok = all(c in rerunnable and set(fns[c].outputs) == {v} for c in chain)
             seen["chain"] = seen["chain"] or ok
-            ok = ok and droppable(seq.variables[v].nbytes)
+            ok = ok and v not in self._rc_excluded and droppable(seq.variables[v].nbytes)
             seen["droppable"] = seen["droppable"] or ok
             return ok
 
         variables = recompute_candidates(seq, self._recompute_gpu, eligible=eligible)
         if not variables:
-            self._recompute_reason = (
+            self._recompute_reason = self._rc_refusal if self._rc_excluded else (
                 "no function with a rerun (Runtime.call, or enter_function's rerun)"
                 if not rerunnable else
                 "no buffer goes unused long enough between its uses to be dropped"
@@ -146,21 +146,54 @@ class Recomputation:
         chain = []
         for c in self._rc_chain[v]:
             entry = self._iter_reruns.get(c)
-            if entry is None or any(not b.alive for b in entry[1] + entry[2]):
-                return
+            if entry is None:
+                return self._refuse(v, "a function of its chain ran without a rerun")
+            if any(not b.alive for b in entry[1] + entry[2]):
+                return self._refuse(v, "an input of its function was freed before the rerun")
             ready = getattr(entry[0], "ready", None)   # a driver's rerun may say it cannot
             if ready is not None and not ready():
-                return
+                return self._refuse(v, "its function's rerun cannot run (an input or its "
+                                       "output is gone)")
             chain.append(entry)
         inputs = {b.id for _, reads, _ in chain for b in reads if b is not buf}
         if any(self._buffers[i].where == "dropped" for i in inputs):
-            return
+            return self._refuse(v, "an input of its function is itself dropped")
         if not self._release(buf):
-            return
+            return self._refuse(v, "its memory cannot be released at its address")
         self._dropped[buf.id] = (chain, inputs)
         for i in inputs:
             self._dependents.setdefault(i, set()).add(buf.id)
         self._stats["recompute_drops"] += 1
+
+    def _refuse(self, v, cause):
+        """A planned drop the runtime cannot follow: the buffer stays resident (the plan's
+        budget no longer holds around it), and the plan is made again without it when the
+        iteration ends (:meth:`_replan_refused`)."""
+        self._rc_refused.setdefault(v, cause)
+        self._stats["recompute_refused"] += 1
+
+    def _replan_refused(self):
+        """End of a followed iteration that refused planned drops: plans again from the same
+        record, those variables no longer candidates; said once (a warning, and
+        ``recompute_reason`` while the new plan stands)."""
+        from vmalloc.offload.runtime.recording import warn_user
+
+        refused, self._rc_refused = self._rc_refused, {}
+        if not refused:
+            return
+        self._rc_excluded |= set(refused)
+        causes = "; ".join(sorted(set(refused.values())))
+        self._rc_refusal = (f"{len(refused)} planned drop(s) could not be followed ({causes}): "
+                            f"planned again without them")
+        warned = self._warned_recompute
+        self._build_schedule()     # (says "recomputes nothing" if nothing is left)
+        if self._recompute_reason is None:
+            self._recompute_reason = self._rc_refusal
+        if not self._warned_refusal and warned == self._warned_recompute:
+            warn_user(f"recompute=True: {self._rc_refusal}", UserWarning)
+        # Said once: a later re-plan (the next candidate refused too) says nothing more,
+        # neither does a plan that is then left with nothing to recompute.
+        self._warned_refusal = self._warned_recompute = True
 
     # --- the two memory primitives --------------------------------------------------------------
     def _release(self, buf) -> bool:
@@ -331,3 +364,7 @@ def init_recompute_state(rt, recompute, gpu):
     rt._rc_backed: Set[int] = set()            # dropped buffer ids whose memory is mapped
     rt._recompute_reason = None   # why the last plan recomputes nothing (recompute=True)
     rt._warned_recompute = False
+    rt._rc_refused: Dict[int, str] = {}    # this iteration: variable -> why its drop was refused
+    rt._rc_excluded: Set[int] = set()      # variables of this record no plan drops any more
+    rt._rc_refusal = None
+    rt._warned_refusal = False

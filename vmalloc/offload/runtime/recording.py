@@ -80,6 +80,8 @@ class Recording:
     def _start_record(self):
         self._record_funcs = []
         self._record_rerunnable = set()
+        self._rc_excluded = set()     # (variable ids of the record to come)
+        self._rc_refused = {}
         self._record_allocs = []
         self._record_persistent = [b for b in self._buffers.values() if b.persistent]
 
