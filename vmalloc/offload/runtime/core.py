@@ -29,7 +29,7 @@ STATS_KEYS = (
     "on_demand_swap_ins", "evictions", "scheduled_swap_outs", "scheduled_swap_ins",
     "prefetch_failures", "over_budget", "device_bytes", "peak_device_bytes", "budget_bytes",
     "pinned_bytes", "schedule_error", "swapped_out_bytes", "swapped_in_bytes", "swap",
-    "recomputed_functions", "recompute_drops", "recompute_reason")
+    "recomputed_functions", "recompute_drops", "recompute_refused", "recompute_reason")
 
 
 class Runtime(Compression, Residency, Recording, Following, Divergence, Recomputation):
