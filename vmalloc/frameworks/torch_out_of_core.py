@@ -40,6 +40,8 @@ from vmalloc.frameworks.torch_recompute import AtenRerun, rerunnable
 from vmalloc.frameworks.torch_swap import CudaSwap, PoisonSwap
 from vmalloc.frameworks.torch_state import (Kinds, Readers, Storages, leaving, make_mode,
                                              predicted_bytes)
+from vmalloc.frameworks.torch_subclass import is_wrapper, plain_tensors, refuse_fsdp2
+from vmalloc.frameworks.torch_unpredicted import Unpredicted
 from vmalloc.offload import aten_ops
 from vmalloc.offload.runtime import Runtime
 
@@ -139,6 +141,7 @@ class OutOfCore:
         self.runtime = Runtime(alloc, **options)
         self._storages = Storages(self)
         self._readers = Readers(self)
+        self._unpredicted = Unpredicted(self)
         self._kinds = Kinds(self) if compress is not None else None
         self._mode = None
         self._hook = None
@@ -226,22 +229,23 @@ class OutOfCore:
     def _tracked(self, t):
         torch = sys.modules["torch"]
         if not isinstance(t, torch.Tensor) or t.device.type != self.device_type \
-                or t.layout != torch.strided:
-            return False
+                or t.layout != torch.strided or is_wrapper(t):
+            return False     # (a wrapper subclass: its inner tensors are tracked)
         s = t.untyped_storage()
         n = s.nbytes()
         return n >= self.min_bytes and self.backend.tracks(s.data_ptr(), n) \
             if hasattr(self.backend, "tracks") else n >= self.min_bytes
 
     def _persistent_tensors(self):
-        """Parameters and optimizer state of the optimizers seen so far."""
+        """Parameters and optimizer state of the optimizers seen so far (the inner tensors of
+        wrapper subclasses)."""
         out = []
         for opt in list(self._optimizers):
             for group in opt.param_groups:
                 out.extend(group["params"])
             for state in opt.state.values():
                 out.extend(v for v in state.values() if hasattr(v, "untyped_storage"))
-        return out
+        return plain_tensors(out)
 
     def _begin_iteration(self):
         rt = self.runtime
@@ -330,6 +334,8 @@ class OutOfCore:
 
     # --- ops ------------------------------------------------------------------------------
     def _dispatch(self, func, args, kwargs):
+        if func.namespace == "fsdp":
+            refuse_fsdp2(func)
         if not aten_ops.is_function(func):
             return func(*args, **kwargs)
         rt = self.runtime
@@ -340,13 +346,16 @@ class OutOfCore:
         accessed = [(t, r, w) for t, r, w in aten_ops.accesses(func, args, kwargs)
                     if self._tracked(t)]
         fresh = predicted_bytes(self, func, args, kwargs)   # None: unknown
+        if fresh is None and rt.budget is not None:
+            fresh = self._unpredicted.measured(func, args, kwargs)   # (None: never ran)
         if not accessed and not fresh:
             out = func(*args, **kwargs)
             outs = self._fresh_tensors(func, out)
             if not outs:
                 return out
             self._ensure_iteration()
-            return self._run(func, (), (), lambda: out, 0, outs=outs)
+            return self._run(func, (), (), lambda: out, 0, outs=outs,
+                             unpredicted=(args, kwargs) if fresh is None else None)
         self._ensure_iteration()
         unknown = sum({s.data_ptr(): s.nbytes() for s in
                        (t.untyped_storage() for t, _, _ in accessed)
@@ -364,10 +373,13 @@ class OutOfCore:
             if written and buf not in writes:
                 writes.append(buf)
         return self._run(func, reads, writes, lambda: func(*args, **kwargs), fresh or 0,
-                         rerun_args=(args, kwargs))
+                         rerun_args=(args, kwargs),
+                         unpredicted=(args, kwargs) if fresh is None else None)
 
-    def _run(self, func, reads, writes, call, fresh, outs=None, rerun_args=None):
-        """One op as one function of the runtime."""
+    def _run(self, func, reads, writes, call, fresh, outs=None, rerun_args=None,
+             unpredicted=None):
+        """One op as one function of the runtime (``unpredicted``: its arguments, when its
+        outputs' bytes could not be predicted: they are measured after it ran)."""
         rt = self.runtime
         name = str(func)
         entered = False
@@ -384,6 +396,8 @@ class OutOfCore:
             new = self._new_buffers(outs, set(map(id, reads)) | set(map(id, writes)))
             if new:
                 rt.add_writes(new)
+            if unpredicted is not None and rt.budget is not None:
+                self._unpredicted.ran(func, *unpredicted, sum(b.nbytes for b in new), name)
                 if rerun_args is not None and rt.recompute and not writes and len(new) == 1 \
                         and len(outs) == 1 and len(func._schema.returns) == 1 \
                         and rerunnable(func, self.device_type):

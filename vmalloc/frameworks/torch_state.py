@@ -95,8 +95,9 @@ class Storages:
 
     def buffers(self, tensors):
         """The buffers of the tracked storages among ``tensors``."""
+        from vmalloc.frameworks.torch_subclass import plain_tensors
         out = []
-        for t in tensors:
+        for t in plain_tensors(tensors):
             if self.driver._tracked(t):
                 buf = self.known(t.untyped_storage())
                 if buf is not None and buf not in out:
@@ -139,6 +140,16 @@ def make_mode(driver):
                 self.driver = driver
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                from vmalloc.frameworks.torch_subclass import is_wrapper
+                wrappers = [t for t in types if is_wrapper(t)]
+                if wrappers:
+                    if all(hasattr(t, "__tensor_flatten__") for t in wrappers):
+                        # A wrapper subclass (DTensor, TwoTensor) has no data of its own: its
+                        # __torch_dispatch__ runs the op on its inner tensors, which come
+                        # back here (the mode stays active) as plain tensors, tracked.
+                        return NotImplemented
+                    # Another mode's tensors (FakeTensor: no data either): theirs to run.
+                    return func(*args, **(kwargs or {}))
                 return self.driver._dispatch(func, args, kwargs or {})
 
         _mode_class = _OffloadMode
