@@ -40,7 +40,7 @@ from vmalloc.frameworks.torch_recompute import AtenRerun, rerunnable
 from vmalloc.frameworks.torch_swap import CudaSwap, PoisonSwap
 from vmalloc.frameworks.torch_state import (Kinds, Readers, Storages, leaving, make_mode,
                                              predicted_bytes)
-from vmalloc.frameworks.torch_subclass import is_wrapper, plain_tensors, refuse_fsdp2
+from vmalloc.frameworks.torch_subclass import is_wrapper, plain_tensors
 from vmalloc.frameworks.torch_unpredicted import Unpredicted
 from vmalloc.offload import aten_ops
 from vmalloc.offload.runtime import Runtime
@@ -334,8 +334,6 @@ class OutOfCore:
 
     # --- ops ------------------------------------------------------------------------------
     def _dispatch(self, func, args, kwargs):
-        if func.namespace == "fsdp":
-            refuse_fsdp2(func)
         if not aten_ops.is_function(func):
             return func(*args, **kwargs)
         rt = self.runtime
@@ -360,7 +358,8 @@ class OutOfCore:
         unknown = sum({s.data_ptr(): s.nbytes() for s in
                        (t.untyped_storage() for t, _, _ in accessed)
                        if storages.known(s) is None}.values())
-        self._make_room(unknown)     # storages that exist already but were never seen
+        if not self._make_room(unknown):    # storages that exist already but were never seen
+            self._over_budget(str(func), unknown, unseen=True)
         reads, writes = [], []
         for t, read, written in accessed:
             buf = storages.buffer(t.untyped_storage(), dtype=t.dtype)
@@ -396,14 +395,14 @@ class OutOfCore:
             new = self._new_buffers(outs, set(map(id, reads)) | set(map(id, writes)))
             if new:
                 rt.add_writes(new)
-            if unpredicted is not None and rt.budget is not None:
-                self._unpredicted.ran(func, *unpredicted, sum(b.nbytes for b in new), name)
                 if rerun_args is not None and rt.recompute and not writes and len(new) == 1 \
                         and len(outs) == 1 and len(func._schema.returns) == 1 \
                         and rerunnable(func, self.device_type):
                     rerun = AtenRerun.make(func, *rerun_args, outs[0], self._tracked)
                     if rerun is not None:
                         rt.set_rerun(rerun)
+            if unpredicted is not None and rt.budget is not None:
+                self._unpredicted.ran(func, *unpredicted, sum(b.nbytes for b in new), name)
         except BaseException:
             if entered and rt.in_function:
                 rt.exit_function(failed=True)
@@ -413,14 +412,20 @@ class OutOfCore:
         self._storages.collect()
         return out
 
-    def _over_budget(self, name, fresh):
-        """The op's own storages do not fit the budget: said once; raised under strict."""
+    def _over_budget(self, name, fresh, unseen=False):
+        """The op's own storages do not fit the budget: said once; raised under strict.
+        ``unseen``: storages it reads that were allocated outside the dispatcher (before
+        the block, or grown by ``resize_``) do not fit."""
         from vmalloc.errors import OutOfMemoryError
         self._counts["over_budget_ops"] += 1
         running = getattr(self.runtime, "running_function", None)
         what = (running() if running is not None else None) or name
         message = (f"{what} needs {fresh} bytes for its outputs besides its inputs, more than "
                    f"the budget of {self.runtime.budget} bytes leaves")
+        if unseen:
+            message = (f"{what} uses {fresh} bytes of storages allocated outside the "
+                       "dispatcher (before the block, or by resize_), more than the budget of "
+                       f"{self.runtime.budget} bytes leaves")
         if self.strict:
             raise OutOfMemoryError(message + ": refused (strict=True); the op did not run",
                                    requested_bytes=fresh)

@@ -5,8 +5,10 @@
   (returning ``NotImplemented``); it runs the op on their inner tensors, which reach the mode,
   still active, as plain tensors and are tracked as any other. Parameters and optimizer state
   that are wrappers are tracked through their inner tensors (``__tensor_flatten__``).
-- **FSDP2** (``fully_shard``) frees and reallocates storages by ``resize_()``, outside the
-  dispatcher: refused at its first op.
+- **FSDP2** (``fully_shard``): its parameters are DTensors (above); it frees and reallocates
+  the unsharded parameters by ``UntypedStorage.resize_()``, outside the dispatcher, which the
+  driver follows by patching ``resize_`` while it is active (``Readers`` and
+  ``Storages.release`` in :mod:`vmalloc.frameworks.torch_state`).
 """
 
 from __future__ import annotations
@@ -37,17 +39,3 @@ def plain_tensors(tensors):
             names = flatten()[0]
             stack.extend(getattr(t, n) for n in reversed(names))
     return out
-
-
-def refuse_fsdp2(func):
-    """FSDP2 (``fully_shard``) frees and reallocates its unsharded parameters by resizing
-    their storages (``untyped_storage().resize_()``), which bypasses the dispatcher: the
-    driver would swap a storage in at its old size into one of 0 bytes. Refused at its
-    first op (its all-gather's ``torch.ops.fsdp`` ops), before any tensor of it moves."""
-    from vmalloc.errors import InvalidArgumentError
-    raise InvalidArgumentError(
-        f"FSDP2 (torch.distributed.fsdp.fully_shard) is not supported inside "
-        f"vmalloc.torch.out_of_core (its op {func} reached the driver, not run): FSDP2 "
-        "frees and reallocates parameter storages by resize_() outside the dispatcher, "
-        "which the driver cannot follow. Run FSDP2 outside out_of_core, or use "
-        "DistributedDataParallel inside it")
