@@ -359,7 +359,11 @@ class OutOfCore:
                        (t.untyped_storage() for t, _, _ in accessed)
                        if storages.known(s) is None}.values())
         if not self._make_room(unknown):    # storages that exist already but were never seen
-            self._over_budget(str(func), unknown, unseen=True)
+            try:
+                self._over_budget(str(func), unknown, unseen=True)
+            except BaseException:
+                self._fail_iteration()     # (strict) as an op that raised
+                raise
         reads, writes = [], []
         for t, read, written in accessed:
             buf = storages.buffer(t.untyped_storage(), dtype=t.dtype)
