@@ -6,6 +6,7 @@ and what bypasses the dispatcher: readers (``.numpy()``, ``.tolist()``, ``torch.
 from __future__ import annotations
 
 import sys
+import threading
 import weakref
 
 
@@ -257,11 +258,13 @@ class Readers:
             self.saved[(module, "save")] = getattr(module, "save")
             setattr(module, "save", save)
         original_resize = torch.UntypedStorage.resize_
+        thread = threading.get_ident()
 
         def resize_(storage, size, *args, **kwargs):
             # FSDP2 frees and reallocates unsharded parameters this way: a storage whose
-            # size changes is another buffer (its old one leaves first).
-            if not driver.runtime.in_function:
+            # size changes is another buffer (its old one leaves first). Another thread's
+            # storages are not the driver's (its dispatch mode is this thread's).
+            if threading.get_ident() == thread and not driver.runtime.in_function:
                 driver._storages.collect()
                 driver._storages.release(storage, int(size))
             return original_resize(storage, size, *args, **kwargs)
