@@ -344,8 +344,11 @@ class OutOfCore:
         accessed = [(t, r, w) for t, r, w in aten_ops.accesses(func, args, kwargs)
                     if self._tracked(t)]
         fresh = predicted_bytes(self, func, args, kwargs)   # None: unknown
-        if fresh is None and rt.budget is not None:
-            fresh = self._unpredicted.measured(func, args, kwargs)   # (None: never ran)
+        predicted = fresh
+        if rt.budget is not None and self._unpredicted.sizes:
+            learned = self._unpredicted.measured(func, args, kwargs)   # None: never short
+            if learned is not None:
+                fresh = max(fresh or 0, learned)
         if not accessed and not fresh:
             out = func(*args, **kwargs)
             outs = self._fresh_tensors(func, out)
@@ -353,7 +356,7 @@ class OutOfCore:
                 return out
             self._ensure_iteration()
             return self._run(func, (), (), lambda: out, 0, outs=outs,
-                             unpredicted=(args, kwargs) if fresh is None else None)
+                             measure=(args, kwargs, predicted, fresh))
         self._ensure_iteration()
         unknown = sum({s.data_ptr(): s.nbytes() for s in
                        (t.untyped_storage() for t, _, _ in accessed)
@@ -376,13 +379,13 @@ class OutOfCore:
             if written and buf not in writes:
                 writes.append(buf)
         return self._run(func, reads, writes, lambda: func(*args, **kwargs), fresh or 0,
-                         rerun_args=(args, kwargs),
-                         unpredicted=(args, kwargs) if fresh is None else None)
+                         rerun_args=(args, kwargs), measure=(args, kwargs, predicted, fresh))
 
     def _run(self, func, reads, writes, call, fresh, outs=None, rerun_args=None,
-             unpredicted=None):
-        """One op as one function of the runtime (``unpredicted``: its arguments, when its
-        outputs' bytes could not be predicted: they are measured after it ran)."""
+             measure=None):
+        """One op as one function of the runtime (``measure``: its arguments, the bytes of
+        outputs predicted on the meta device (None: unknown) and made room for: what it
+        created is measured after it ran, :class:`Unpredicted`)."""
         rt = self.runtime
         name = str(func)
         entered = False
@@ -405,8 +408,8 @@ class OutOfCore:
                     rerun = AtenRerun.make(func, *rerun_args, outs[0], self._tracked)
                     if rerun is not None:
                         rt.set_rerun(rerun)
-            if unpredicted is not None and rt.budget is not None:
-                self._unpredicted.ran(func, *unpredicted, sum(b.nbytes for b in new), name)
+            if measure is not None and rt.budget is not None:
+                self._unpredicted.ran(func, *measure, sum(b.nbytes for b in new), name)
         except BaseException:
             if entered and rt.in_function:
                 rt.exit_function(failed=True)

@@ -1,19 +1,22 @@
 """Ops whose outputs' bytes the PyTorch out-of-core driver cannot predict before they run.
 
 The driver makes room for an op's outputs before it runs, from their sizes worked out on the
-meta device; an op without a meta kernel (a custom op without a fake kernel, some backends'
-ops) cannot be predicted. Its outputs are measured after it ran instead, and an op that took
-the device past the budget is counted and said (raised under ``strict``), never silent.
+meta device; an op without a meta kernel (a custom op without a fake kernel) cannot be
+predicted, and some meta kernels fall short (``aten.mkldnn_rnn_layer``'s, CPU LSTM: its real
+workspace is far larger). What each op created is measured after it ran; one that created
+more than room was made for, and took the device past the budget, is counted and said (raised
+under ``strict``), never silent.
 """
 
 from __future__ import annotations
 
 
 class Unpredicted:
-    """Ops whose outputs' bytes no meta kernel predicts: measured after they run (the bytes
-    of the storages they created). When the device then holds more than the budget, the op
-    ran over it: counted in ``over_budget_ops`` and said once (raised under strict). The
-    measure is kept per op and argument shapes, so that the next run makes room first."""
+    """Measures what each op created (the bytes of its new tracked storages) against the
+    room made for it. An op that created more (no meta kernel, or one that falls short) and
+    left the device above the budget ran over it: counted in ``over_budget_ops`` and said
+    once (raised under strict). A short measure is kept per op and argument shapes, so that
+    the next run makes room for it first."""
 
     def __init__(self, driver):
         self.driver = driver
@@ -31,27 +34,32 @@ class Unpredicted:
         return (str(func),) + tuple(part(x) for x in tree_flatten((args, kwargs))[0])
 
     def measured(self, func, args, kwargs):
-        """The bytes an earlier run of this op on these shapes created, or None."""
+        """The bytes an earlier run of this op on these shapes created when its prediction
+        fell short, or None."""
         return self.sizes.get(self._key(func, args, kwargs))
 
-    def ran(self, func, args, kwargs, nbytes, name):
-        """The op ran (its new buffers reported to the runtime): ``nbytes`` created."""
+    def ran(self, func, args, kwargs, predicted, room, nbytes, name):
+        """The op ran (its new buffers reported to the runtime): it created ``nbytes``;
+        ``predicted`` on the meta device (None: no meta kernel), ``room`` made for."""
+        if nbytes <= (room or 0):
+            return
         if len(self.sizes) < 4096:
             self.sizes[self._key(func, args, kwargs)] = nbytes
         rt = self.driver.runtime
         held = rt.stats()["device_bytes"]
-        if nbytes and held > rt.budget:
-            self._over_budget(name, nbytes, held)
+        if held > rt.budget:
+            self._over_budget(name, predicted, nbytes, held)
 
-    def _over_budget(self, name, nbytes, held):
+    def _over_budget(self, name, predicted, nbytes, held):
         from vmalloc.errors import OutOfMemoryError
         driver = self.driver
         driver._counts["over_budget_ops"] += 1
         running = getattr(driver.runtime, "running_function", None)
         what = (running() if running is not None else None) or name
-        message = (f"{what} created {nbytes} bytes of outputs, which no meta kernel "
-                   f"predicted, and the device held {held} bytes, more than the budget of "
-                   f"{driver.runtime.budget} bytes")
+        why = ("which no meta kernel predicted" if predicted is None else
+               f"where its meta kernel predicted {predicted}")
+        message = (f"{what} created {nbytes} bytes of outputs, {why}, and the device held "
+                   f"{held} bytes, more than the budget of {driver.runtime.budget} bytes")
         if driver.strict:
             raise OutOfMemoryError(message + " (strict=True; the op ran, its outputs are "
                                    "dropped)", requested_bytes=nbytes)
