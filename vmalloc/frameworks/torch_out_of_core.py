@@ -40,6 +40,8 @@ from vmalloc.frameworks.torch_recompute import AtenRerun, rerunnable
 from vmalloc.frameworks.torch_swap import CudaSwap, PoisonSwap
 from vmalloc.frameworks.torch_state import (Kinds, Readers, Storages, leaving, make_mode,
                                              predicted_bytes)
+from vmalloc.frameworks.torch_subclass import is_wrapper, plain_tensors
+from vmalloc.frameworks.torch_unpredicted import Unpredicted
 from vmalloc.offload import aten_ops
 from vmalloc.offload.runtime import Runtime
 
@@ -139,6 +141,7 @@ class OutOfCore:
         self.runtime = Runtime(alloc, **options)
         self._storages = Storages(self)
         self._readers = Readers(self)
+        self._unpredicted = Unpredicted(self)
         self._kinds = Kinds(self) if compress is not None else None
         self._mode = None
         self._hook = None
@@ -226,22 +229,23 @@ class OutOfCore:
     def _tracked(self, t):
         torch = sys.modules["torch"]
         if not isinstance(t, torch.Tensor) or t.device.type != self.device_type \
-                or t.layout != torch.strided:
-            return False
+                or t.layout != torch.strided or is_wrapper(t):
+            return False     # (a wrapper subclass: its inner tensors are tracked)
         s = t.untyped_storage()
         n = s.nbytes()
         return n >= self.min_bytes and self.backend.tracks(s.data_ptr(), n) \
             if hasattr(self.backend, "tracks") else n >= self.min_bytes
 
     def _persistent_tensors(self):
-        """Parameters and optimizer state of the optimizers seen so far."""
+        """Parameters and optimizer state of the optimizers seen so far (the inner tensors of
+        wrapper subclasses)."""
         out = []
         for opt in list(self._optimizers):
             for group in opt.param_groups:
                 out.extend(group["params"])
             for state in opt.state.values():
                 out.extend(v for v in state.values() if hasattr(v, "untyped_storage"))
-        return out
+        return plain_tensors(out)
 
     def _begin_iteration(self):
         rt = self.runtime
@@ -340,18 +344,29 @@ class OutOfCore:
         accessed = [(t, r, w) for t, r, w in aten_ops.accesses(func, args, kwargs)
                     if self._tracked(t)]
         fresh = predicted_bytes(self, func, args, kwargs)   # None: unknown
+        predicted = fresh
+        if rt.budget is not None and self._unpredicted.sizes:
+            learned = self._unpredicted.measured(func, args, kwargs)   # None: never short
+            if learned is not None:
+                fresh = max(fresh or 0, learned)
         if not accessed and not fresh:
             out = func(*args, **kwargs)
             outs = self._fresh_tensors(func, out)
             if not outs:
                 return out
             self._ensure_iteration()
-            return self._run(func, (), (), lambda: out, 0, outs=outs)
+            return self._run(func, (), (), lambda: out, 0, outs=outs,
+                             measure=(args, kwargs, predicted, fresh))
         self._ensure_iteration()
         unknown = sum({s.data_ptr(): s.nbytes() for s in
                        (t.untyped_storage() for t, _, _ in accessed)
                        if storages.known(s) is None}.values())
-        self._make_room(unknown)     # storages that exist already but were never seen
+        if not self._make_room(unknown):    # storages that exist already but were never seen
+            try:
+                self._over_budget(str(func), unknown, unseen=True)
+            except BaseException:
+                self._fail_iteration()     # (strict) as an op that raised
+                raise
         reads, writes = [], []
         for t, read, written in accessed:
             buf = storages.buffer(t.untyped_storage(), dtype=t.dtype)
@@ -364,10 +379,13 @@ class OutOfCore:
             if written and buf not in writes:
                 writes.append(buf)
         return self._run(func, reads, writes, lambda: func(*args, **kwargs), fresh or 0,
-                         rerun_args=(args, kwargs))
+                         rerun_args=(args, kwargs), measure=(args, kwargs, predicted, fresh))
 
-    def _run(self, func, reads, writes, call, fresh, outs=None, rerun_args=None):
-        """One op as one function of the runtime."""
+    def _run(self, func, reads, writes, call, fresh, outs=None, rerun_args=None,
+             measure=None):
+        """One op as one function of the runtime (``measure``: its arguments, the bytes of
+        outputs predicted on the meta device (None: unknown) and made room for: what it
+        created is measured after it ran, :class:`Unpredicted`)."""
         rt = self.runtime
         name = str(func)
         entered = False
@@ -390,6 +408,8 @@ class OutOfCore:
                     rerun = AtenRerun.make(func, *rerun_args, outs[0], self._tracked)
                     if rerun is not None:
                         rt.set_rerun(rerun)
+            if measure is not None and rt.budget is not None:
+                self._unpredicted.ran(func, *measure, sum(b.nbytes for b in new), name)
         except BaseException:
             if entered and rt.in_function:
                 rt.exit_function(failed=True)
@@ -399,14 +419,20 @@ class OutOfCore:
         self._storages.collect()
         return out
 
-    def _over_budget(self, name, fresh):
-        """The op's own storages do not fit the budget: said once; raised under strict."""
+    def _over_budget(self, name, fresh, unseen=False):
+        """The op's own storages do not fit the budget: said once; raised under strict.
+        ``unseen``: storages it reads that were allocated outside the dispatcher (before
+        the block, or grown by ``resize_``) do not fit."""
         from vmalloc.errors import OutOfMemoryError
         self._counts["over_budget_ops"] += 1
         running = getattr(self.runtime, "running_function", None)
         what = (running() if running is not None else None) or name
         message = (f"{what} needs {fresh} bytes for its outputs besides its inputs, more than "
                    f"the budget of {self.runtime.budget} bytes leaves")
+        if unseen:
+            message = (f"{what} uses {fresh} bytes of storages allocated outside the "
+                       "dispatcher (before the block, or by resize_), more than the budget of "
+                       f"{self.runtime.budget} bytes leaves")
         if self.strict:
             raise OutOfMemoryError(message + ": refused (strict=True); the op did not run",
                                    requested_bytes=fresh)

@@ -1,10 +1,12 @@
 """What the PyTorch out-of-core driver keeps beside the Runtime: which runtime buffer holds
 each storage, the dispatch mode, the prediction of an op's output bytes (allocation pressure),
-and the readers that bypass the dispatcher (``.numpy()``, ``.tolist()``, ``torch.save``)."""
+and what bypasses the dispatcher: readers (``.numpy()``, ``.tolist()``, ``torch.save``) and
+``UntypedStorage.resize_`` (FSDP2)."""
 
 from __future__ import annotations
 
 import sys
+import threading
 import weakref
 
 
@@ -86,17 +88,39 @@ class Storages:
             if entry is not None and not any(r() is not None for r in entry[1]):
                 self._forget(ptr)
 
-    def _forget(self, ptr):
+    def _forget(self, ptr, freed=True):
         entry = self.by_ptr.pop(ptr)
-        self.driver.runtime.forget(entry[0], freed=True)
+        self.driver.runtime.forget(entry[0], freed=freed)
         unregister = getattr(self.driver.backend, "unregister", None)
         if unregister is not None:
             unregister(ptr)   # only if no live storage took the address
 
+    def release(self, storage, nbytes):
+        """``storage`` is about to change size to ``nbytes`` (``resize_``, outside the
+        dispatcher): its buffer leaves the runtime, with its bytes (swapped back in first)
+        unless it shrinks to nothing, and no storage is left registered at its old address
+        (every storage object there is this one's memory, which moves). After the resize it
+        is adopted anew at its next op."""
+        ptr = storage.data_ptr()
+        entry = self.by_ptr.get(ptr) if ptr else None
+        if entry is None:
+            return
+        buf = entry[0]
+        if nbytes and buf.alive and buf.state != "resident" and \
+                not self.driver._make_room(buf.nbytes):
+            self.driver._over_budget("resize_", buf.nbytes, unseen=True)
+        self._forget(ptr, freed=not nbytes)    # resize_(0) keeps no byte: nothing comes back
+        unregister = getattr(self.driver.backend, "unregister", None)
+        if unregister is not None:
+            for ref in entry[1] + [weakref.ref(storage)]:
+                if ref() is not None:
+                    unregister(ptr, ref())
+
     def buffers(self, tensors):
         """The buffers of the tracked storages among ``tensors``."""
+        from vmalloc.frameworks.torch_subclass import plain_tensors
         out = []
-        for t in tensors:
+        for t in plain_tensors(tensors):
             if self.driver._tracked(t):
                 buf = self.known(t.untyped_storage())
                 if buf is not None and buf not in out:
@@ -139,6 +163,16 @@ def make_mode(driver):
                 self.driver = driver
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                from vmalloc.frameworks.torch_subclass import is_wrapper
+                wrappers = [t for t in types if is_wrapper(t)]
+                if wrappers:
+                    if all(hasattr(t, "__tensor_flatten__") for t in wrappers):
+                        # A wrapper subclass (DTensor, TwoTensor) has no data of its own: its
+                        # __torch_dispatch__ runs the op on its inner tensors, which come
+                        # back here (the mode stays active) as plain tensors, tracked.
+                        return NotImplemented
+                    # Another mode's tensors (FakeTensor: no data either): theirs to run.
+                    return func(*args, **(kwargs or {}))
                 return self.driver._dispatch(func, args, kwargs or {})
 
         _mode_class = _OffloadMode
@@ -189,8 +223,10 @@ def predicted_bytes(driver, func, args, kwargs):
 class Readers:
     """Reading a tensor outside an op (``.numpy()``, ``.tolist()``, ``np.asarray``,
     ``torch.save``) bypasses the dispatcher: while the driver is active those readers first
-    swap the storages they read in. Also says, once, that ``torch.compile``'d regions run
-    eager inside ``out_of_core`` (Dynamo skips frames while a dispatch mode is active)."""
+    swap the storages they read in. ``UntypedStorage.resize_`` (FSDP2 frees and reallocates
+    parameters with it) bypasses it too: a resized storage's buffer leaves the runtime first
+    (:meth:`Storages.release`). Also says, once, that ``torch.compile``'d regions run eager
+    inside ``out_of_core`` (Dynamo skips frames while a dispatch mode is active)."""
 
     _METHODS = ("numpy", "tolist", "__array__")
 
@@ -221,6 +257,19 @@ class Readers:
         for module in (torch, torch.serialization):
             self.saved[(module, "save")] = getattr(module, "save")
             setattr(module, "save", save)
+        original_resize = torch.UntypedStorage.resize_
+        thread = threading.get_ident()
+
+        def resize_(storage, size, *args, **kwargs):
+            # FSDP2 frees and reallocates unsharded parameters this way: a storage whose
+            # size changes is another buffer (its old one leaves first). Another thread's
+            # storages are not the driver's (its dispatch mode is this thread's).
+            if threading.get_ident() == thread and not driver.runtime.in_function:
+                driver._storages.collect()
+                driver._storages.release(storage, int(size))
+            return original_resize(storage, size, *args, **kwargs)
+        self.saved[(torch.UntypedStorage, "resize_")] = original_resize
+        torch.UntypedStorage.resize_ = resize_
 
     def remove(self):
         for (owner, name), value in self.saved.items():
