@@ -30,7 +30,7 @@ LIMITS = {
     "device": (60, 45),
     "driver_costs": (60, 30),
     "bandwidth": (45, 30),
-    "torch_out_of_core": (210, 90),
+    "torch_out_of_core": (330, 120),
     "timeline": (30, 15),
     "simulator_vs_measured": (90, 60),
     "tests": (240, 60),
@@ -273,6 +273,12 @@ def headline(name, r):
                     f"{speed:.2f}" if speed is not None else str(o["status"])[:40]))
             c = r["correctness"] or {}
             parts.append(f"identical {c.get('identical')}")
+            g = (r.get("gpt2") or {}).get("runs") or {}
+            ratios = [f"{name.replace('out_of_core_', '')} {e['ratio_to_plain']:.2f}x"
+                      for name, e in g.items() if e.get("ratio_to_plain") is not None
+                      and name != "plain"]
+            if ratios:
+                parts.append("GPT-2 " + ", ".join(ratios))
             return "; ".join(parts)
         if name == "simulator_vs_measured":
             if not any(x["ratio_predicted_to_measured"] for x in r["runs"]):

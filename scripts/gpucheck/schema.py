@@ -21,7 +21,7 @@ RESULT_KEYS = {
                   "pinned_both_each_direction_gbps", "pageable_h2d_gbps", "pageable_d2h_gbps",
                   "reference"),
     "torch_out_of_core": ("model", "input", "backend", "budget_bytes", "in_core",
-                          "out_of_core", "correctness", "notes"),
+                          "out_of_core", "correctness", "gpt2", "notes"),
     "simulator_vs_measured": ("gpu_model", "calibrated_on", "compute_efficiency",
                               "function_overhead_seconds", "sequence", "runs", "note"),
     "timeline": ("png", "source", "lanes", "seconds", "events"),

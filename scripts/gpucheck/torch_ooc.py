@@ -1,7 +1,7 @@
 """The torch_out_of_core section: ResNet-50 with PyTorch allocating from vmalloc's
 VirtualAllocator, in core up to the budget B, then ``vmalloc.torch.out_of_core(budget=B)`` at
 2x and 4x that batch; a correctness comparison; one profiled out-of-core iteration for the
-timeline. Public API only (``vmalloc.torch.use_vmalloc``, ``vmalloc.torch.out_of_core``).
+timeline; GPT-2 small plain, out of core and compiled (gpt2.py). Public API only (``vmalloc.torch.use_vmalloc``, ``vmalloc.torch.out_of_core``).
 
 On a GPU the largest in-core batch is found without ever running out of memory (PyTorch
 turns a failed pluggable allocation into a null pointer and the context dies): the peak
@@ -16,6 +16,7 @@ import threading
 import time
 import warnings
 
+from gpucheck import gpt2
 from vmalloc.sizes import parse_size
 
 MiB = 1 << 20
@@ -379,11 +380,18 @@ def run(ctx):
     setup = Setup(ctx)
     out = {"model": setup.model_name, "input": f"3x{setup.size}x{setup.size}",
            "backend": setup.backend, "budget_bytes": setup.budget, "in_core": None,
-           "out_of_core": None, "correctness": None, "notes": setup.notes}
+           "out_of_core": None, "correctness": None, "gpt2": None, "notes": setup.notes}
     ctx.save(out, ran_on=setup.ran_on)
     core = in_core(setup, ctx, out)
     _release(setup)
     correctness(setup, ctx, out)
+    _release(setup)
+    try:
+        # Before ResNet-50 out of core, leaving it time: GPT-2 is issue 21's measure.
+        gpt2.run(setup, ctx, out, _release, reserve_seconds=0 if setup.dry else 120)
+    except Exception as error:  # noqa: BLE001 - recorded; ResNet-50 out of core still runs
+        out["gpt2"] = {"status": f"failed: {type(error).__name__}: {error}"[:600]}
+    _release(setup)
     reference = core["runs"][0]["images_per_second"] if core["runs"] else None
     out_of_core(setup, ctx, out, core["limit"], reference)
     if "timeline_file" in out:

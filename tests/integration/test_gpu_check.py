@@ -103,6 +103,21 @@ def test_dry_run_sections_measure(dry_run):
     assert t["out_of_core"][1]["swapped_out_bytes"] > 0     # the budget forced swapping
     c = t["correctness"]
     assert (c["status"], c["identical"], c["max_abs_weight_difference"]) == ("ok", True, 0.0)
+    g = t["gpt2"]
+    if importlib.util.find_spec("transformers") is None:
+        assert g["status"].startswith("skipped: transformers is not installed")
+    else:
+        assert (g["status"], g["batch"], g["tokens"], g["config"]["n_layer"]) == (
+            "ok", 2, 64, 2)
+        assert g["aten_ops_per_step"] > 0
+        for name in ("plain", "out_of_core_no_pressure", "out_of_core_half_memory"):
+            assert (g["runs"][name]["status"], g["runs"][name]["losses_identical_to_plain"]) \
+                == ("ok", True), name
+        half = g["runs"]["out_of_core_half_memory"]
+        assert half["budget_bytes"] == g["runs"]["out_of_core_no_pressure"][
+            "peak_device_bytes"] // 2
+        assert half["peak_device_bytes"] <= half["budget_bytes"] and half["swapped_out_bytes"] > 0
+        assert g["runs"]["compiled"]["status"].startswith("skipped: --dry-run")
     assert c["in_core_losses"] == c["out_of_core_losses"]
     sim = s["simulator_vs_measured"]
     assert set(sim["calibrated_on"]) == {"8", "4"}
