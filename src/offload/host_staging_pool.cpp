@@ -38,6 +38,23 @@ std::size_t HostStagingPool::size_class(std::size_t nbytes) noexcept {
   return (nbytes + large_class - 1) / large_class * large_class;
 }
 
+std::multimap<std::size_t, void*>::iterator HostStagingPool::reusable(std::size_t c) {
+  // Best fit among blocks of at most twice the class: tensors of one model differ by a few
+  // MiB from iteration to iteration (a swapped activation of 68 MiB where 70 MiB was freed),
+  // and an exact-class cache then pins new pages every iteration (cuMemHostAlloc ran at
+  // ~1.4 GB/s on an H200 host: 5.5 s of a 7 s GPT-2 step). Waste stays below half.
+  auto hit = cached_.lower_bound(c);
+  if (hit == cached_.end() || hit->first / 2 > c) return cached_.end();
+  return hit;
+}
+
+std::multimap<std::size_t, void*>::const_iterator HostStagingPool::reusable(
+    std::size_t c) const {
+  auto hit = cached_.lower_bound(c);
+  if (hit == cached_.end() || hit->first / 2 > c) return cached_.end();
+  return hit;
+}
+
 void* HostStagingPool::allocate(std::size_t nbytes) {
   if (nbytes == 0 || nbytes > max_request_bytes)
     throw InvalidArgument("HostStagingPool.allocate: size " + std::to_string(nbytes) +
@@ -45,14 +62,15 @@ void* HostStagingPool::allocate(std::size_t nbytes) {
   const std::size_t c = size_class(nbytes);
   std::lock_guard<std::mutex> lock(mutex_);
   in_use_.reserve(in_use_.size() + 1);  // no bad_alloc after the block is taken
-  auto hit = cached_.find(c);
+  auto hit = reusable(c);
   if (hit != cached_.end()) {
     void* p = hit->second;
+    const std::size_t held = hit->first;  // the block keeps its own class
     cached_.erase(hit);
-    in_use_.emplace(p, c);
-    stats_.cached_bytes -= c;
+    in_use_.emplace(p, held);
+    stats_.cached_bytes -= held;
     --stats_.blocks_cached;
-    stats_.in_use_bytes += c;
+    stats_.in_use_bytes += held;
     ++stats_.blocks_in_use;
     ++stats_.reuses;
     stats_.peak_in_use_bytes = std::max(stats_.peak_in_use_bytes, stats_.in_use_bytes);
@@ -88,7 +106,7 @@ void HostStagingPool::check_capacity(std::size_t nbytes) const {
   std::lock_guard<std::mutex> lock(mutex_);
   if (capacity_ == 0 || nbytes == 0) return;
   const std::size_t c = size_class(nbytes);
-  if (cached_.count(c) != 0) return;  // served from the cache
+  if (reusable(c) != cached_.end()) return;  // served from the cache
   if (stats_.in_use_bytes + c > capacity_) throw_over_capacity(nbytes);
 }
 

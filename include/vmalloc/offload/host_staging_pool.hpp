@@ -3,8 +3,9 @@
 //
 // cuMemHostAlloc is slow (it pins pages), so freed blocks are cached by size class and reused.
 // Size classes: a request rounds up to a power of two up to 2 MiB (at least 4 KiB), above
-// that to a multiple of 2 MiB, so a block serves every request of its class and the waste
-// stays below half (small) or 2 MiB (large). An optional capacity bounds the pinned host
+// that to a multiple of 2 MiB. A request takes the smallest cached block of its class up to
+// twice it (best fit), so blocks serve the next iteration's slightly different sizes too; the
+// waste stays below half. An optional capacity bounds the pinned host
 // memory held (in use + cached): over it, cached blocks are freed first, then
 // HostOutOfMemory is raised. Thread-safe. Every block is freed by the destructor (RAII).
 #pragma once
@@ -67,6 +68,10 @@ class HostStagingPool {
 
  private:
   std::size_t release_cached_locked() noexcept;
+  // The cached block a request of class `c` takes: the smallest of at least `c` and at most
+  // `2c`; cached_.end() if none.
+  std::multimap<std::size_t, void*>::iterator reusable(std::size_t c);
+  std::multimap<std::size_t, void*>::const_iterator reusable(std::size_t c) const;
   [[noreturn]] void throw_over_capacity(std::size_t nbytes) const;
 
   const std::shared_ptr<Device> device_;
