@@ -127,7 +127,15 @@ void HostDevice::enqueue_copy(const CopyJob& job, stream_t stream, bool wait) {
     if (job.call != DriverCall::copy_to_device) why = check_accessible(job.src, job.nbytes);
     if (why.empty() && job.call != DriverCall::copy_to_host)
       why = check_accessible(job.dst, job.nbytes);
-    if (checked_ && why.empty()) {
+    // A range not mapped, or mapped without access, when the copy is issued: refused at once
+    // with CUDA_ERROR_INVALID_VALUE and nothing queued, as a real driver does (580.159 on an
+    // H200, for an unmapped range, one without access and one running off its mapping's end:
+    // scripts/gpucheck/rules.py). A range unmapped under a queued copy still faults when the
+    // copy runs (CUDA_ERROR_ILLEGAL_ADDRESS, execute_copy).
+    if (!why.empty()) fail(job.call, why, cu_result::invalid_value);
+    if (checked_) {
+      // Checked mode's use-after-free: mapped memory a real GPU would copy; reported as the
+      // fault a kernel touching it would be.
       if (job.call != DriverCall::copy_to_device) why = checked_refusal(job.src, job.nbytes);
       if (why.empty() && job.call != DriverCall::copy_to_host)
         why = checked_refusal(job.dst, job.nbytes);

@@ -64,7 +64,14 @@ bool HostDevice::covering_mappings(device_ptr ptr, std::size_t size, bool whole_
 void HostDevice::map(device_ptr ptr, std::size_t size, physical_handle handle) {
   count(DriverCall::map);
   std::unique_lock<std::shared_mutex> lock(mutex_);
-  if (size == 0 || ptr % granularity_ != 0 || size % granularity_ != 0)
+  // An unaligned address is CUDA_ERROR_NOT_SUPPORTED on a real driver (580.159, H200,
+  // scripts/gpucheck/rules.py), an unaligned size CUDA_ERROR_INVALID_VALUE.
+  if (ptr % granularity_ != 0)
+    fail(DriverCall::map,
+         "address " + hex(ptr) + " must be a multiple of the granularity " +
+             std::to_string(granularity_),
+         cu_result::not_supported);
+  if (size == 0 || size % granularity_ != 0)
     fail(DriverCall::map,
          "address " + hex(ptr) + " and size " + std::to_string(size) +
              " must be positive multiples of the granularity " + std::to_string(granularity_),

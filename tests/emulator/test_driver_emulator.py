@@ -327,7 +327,7 @@ RULES = {
     "map: address not a multiple of the granularity": (
         lambda d: (d.reserve(), d.create()), lambda d, c: d.cu.cuMemMap(c[0] + PAGE, GRANULARITY,
                                                                         0, c[1], 0),
-        abi.CUDA_ERROR_INVALID_VALUE, "multiples of the granularity"),
+        abi.CUDA_ERROR_NOT_SUPPORTED, "multiple of the granularity"),
     "map: range not inside one reservation": (
         lambda d: (d.reserve(), d.create(2 * GRANULARITY)),
         lambda d, c: d.cu.cuMemMap(c[0] + 3 * GRANULARITY, 2 * GRANULARITY, 0, c[1], 0),
@@ -375,7 +375,7 @@ RULES = {
         abi.CUDA_ERROR_INVALID_VALUE, "already released"),
     "copy: mapped but no access set": (
         lambda d: d.mapped(access=False)[0], lambda d, p: _copy_to(d, p),
-        abi.CUDA_ERROR_ILLEGAL_ADDRESS, "not accessible"),
+        abi.CUDA_ERROR_INVALID_VALUE, "not accessible"),
     "copy: not device memory": (
         lambda d: None, lambda d, c: _copy_to(d, 0x1000),
         abi.CUDA_ERROR_INVALID_VALUE, "not inside any reservation"),
@@ -448,7 +448,7 @@ def test_remap_moves_the_data_and_starts_inaccessible(drv):
     drv.unmap(ptr, GRANULARITY)
     other = drv.reserve(2 * GRANULARITY)
     drv.map(other, GRANULARITY, handle)
-    assert _copy_to(drv, other) == abi.CUDA_ERROR_ILLEGAL_ADDRESS
+    assert _copy_to(drv, other) == abi.CUDA_ERROR_INVALID_VALUE
     drv.set_access(other, GRANULARITY)
     assert drv.read(other, 11) == b"moved bytes"
 
