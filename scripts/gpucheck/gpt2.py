@@ -110,7 +110,6 @@ def run(setup, ctx, out, release, reserve_seconds=0.0, compile_runs=None):
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, cfg["vocab_size"], (batch, tokens), generator=g).to(setup.device)
     warmup, iters = (2, 2) if (setup.quick or setup.dry) else (3, 5)
-    import vmalloc.torch
 
     def left():
         return ctx.left() - reserve_seconds
@@ -138,6 +137,21 @@ def run(setup, ctx, out, release, reserve_seconds=0.0, compile_runs=None):
         res["aten_ops_per_step"] = count_aten_ops(model, opt, ids)
         return entry
 
+    # Deterministic kernels where PyTorch has them (warned where not: SDPA's memory-efficient
+    # backward on CUDA), and plain twice: how far apart two plain runs already are.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        return _runs(setup, ctx, out, res, attempt, make, ids, warmup, iters, plain,
+                     compile_runs)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def _runs(setup, ctx, out, res, attempt, make, ids, warmup, iters, plain, compile_runs):
+    import torch
+
+    import vmalloc.torch
+
     def ooc(budget):
         def go():
             model, opt = make()
@@ -150,7 +164,12 @@ def run(setup, ctx, out, release, reserve_seconds=0.0, compile_runs=None):
             return entry
         return go
 
+    def plain_again():
+        model, opt = make()
+        return _timed(setup, model, opt, ids, warmup, iters)
+
     base = attempt("plain", plain, 30)
+    attempt("plain_repeat", plain_again, 20)
     roomy = attempt("out_of_core_no_pressure", ooc(None), 60)
     peak = (roomy or {}).get("peak_device_bytes") or (base or {}).get("peak_reserved_bytes")
     if peak:

@@ -221,7 +221,8 @@ def out_of_core(setup, ctx, out, limit, reference_ips):
                 stats = ooc.stats()
                 if factor == factors[0]:
                     try:
-                        out["timeline_file"] = _profile(setup, model, opt, n, ooc, ctx.out)
+                        setup.notes.append("timeline data: " + _profile(
+                            setup, model, opt, n, ooc, ctx.out))
                     except Exception as error:  # noqa: BLE001 - the speed figures still count
                         setup.notes.append(f"timeline profile failed: {error}"[:400])
             entry.update(run, status="ok")
@@ -394,6 +395,4 @@ def run(ctx):
     _release(setup)
     reference = core["runs"][0]["images_per_second"] if core["runs"] else None
     out_of_core(setup, ctx, out, core["limit"], reference)
-    if "timeline_file" in out:
-        setup.notes.append(f"timeline data: {out.pop('timeline_file')}")
     ctx.save(out)
