@@ -248,3 +248,27 @@ def test_cuda_backend_refuses_an_allocator_that_relocates():
                   vmalloc.VirtualAllocator(dev, placement="packed")):
         with pytest.raises(InvalidArgumentError, match="relocates"):
             vtorch.out_of_core(backend="cuda", allocator=alloc, device="cpu")
+
+
+def test_cuda_backend_says_when_the_gpu_may_hold_more_than_the_budget():
+    """On an H200 the allocator held 58.9 GB at a 7.3 GB budget (GPT-2): the default virtual
+    allocator creates chunks before it steals cached ones and had no budget, and nothing said
+    so. Now a budget over such an allocator is warned once at construction (strict: raised);
+    steal-first or an allocator budget is quiet."""
+    import warnings
+
+    dev = vmalloc.HostDevice(capacity="64MiB", granularity="2MiB")
+    create_first = vmalloc.VirtualAllocator(dev, steal_before_create=False)
+    with pytest.warns(UserWarning, match="steal_before_create=True") as said:
+        vtorch.out_of_core(budget="8MiB", backend="cuda", allocator=create_first, device="cpu")
+    assert len([w for w in said if "far more than the budget" in str(w.message)]) == 1
+    with pytest.raises(InvalidArgumentError, match="far more than the budget"):
+        vtorch.out_of_core(budget="8MiB", backend="cuda", allocator=create_first,
+                           device="cpu", strict=True)
+    quiet = [vmalloc.VirtualAllocator(dev, steal_before_create=True),
+             vmalloc.VirtualAllocator(dev, steal_before_create=False, budget="32MiB")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for alloc in quiet:
+            vtorch.out_of_core(budget="8MiB", backend="cuda", allocator=alloc, device="cpu")
+        vtorch.out_of_core(backend="cuda", allocator=create_first, device="cpu")  # no budget

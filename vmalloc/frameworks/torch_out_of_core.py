@@ -37,7 +37,7 @@ import weakref
 
 from vmalloc.errors import InvalidArgumentError
 from vmalloc.frameworks.torch_recompute import AtenRerun, rerunnable
-from vmalloc.frameworks.torch_swap import CudaSwap, PoisonSwap
+from vmalloc.frameworks.torch_swap import CudaSwap, PoisonSwap, holds_beyond_budget
 from vmalloc.frameworks.torch_state import (Kinds, Readers, Storages, leaving, make_mode,
                                              predicted_bytes)
 from vmalloc.frameworks.torch_subclass import is_wrapper, plain_tensors
@@ -118,6 +118,11 @@ class OutOfCore:
                     "backend='cuda' needs PyTorch to allocate from vmalloc: call "
                     "vmalloc.torch.use_vmalloc(...) before the first CUDA tensor")
             self.backend = CudaSwap(SwapManager(alloc), alloc)
+            beyond = holds_beyond_budget(alloc, budget)
+            if beyond is not None:
+                if strict:
+                    raise InvalidArgumentError(beyond)
+                warnings.warn(beyond, UserWarning, stacklevel=3)
             stream = torch.cuda.current_stream().cuda_stream if cuda else 0
         elif isinstance(backend, str):
             raise InvalidArgumentError(

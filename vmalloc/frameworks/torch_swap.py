@@ -187,6 +187,22 @@ class PoisonSwap:
         return out
 
 
+def holds_beyond_budget(allocator, budget):
+    """Why the GPU may hold more physical memory than ``budget`` while the runtime keeps it,
+    or None. The virtual allocator's default creates chunks before it steals cached ones;
+    with no budget of its own it then keeps the unmapped chunks of swapped-out tensors cached
+    while creating new ones (measured on an H200: 58.9 GB held at a 7.3 GB budget, GPT-2;
+    docs/benchmarks.md, "On a real GPU")."""
+    if budget is None or getattr(allocator, "budget", None) is not None \
+            or getattr(allocator, "steal_before_create", True):
+        return None
+    return ("out_of_core's budget bounds the bytes the runtime keeps, but the allocator PyTorch "
+            "allocates from creates chunks before it steals cached ones and has no budget of "
+            "its own: the chunks of swapped-out tensors stay cached while new ones are "
+            "created, so the GPU may hold far more than the budget. Create it with "
+            "vmalloc.VirtualAllocator(device, steal_before_create=True) (or a budget)")
+
+
 def _uint8():
     import torch
     return torch.uint8
