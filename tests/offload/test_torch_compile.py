@@ -235,6 +235,31 @@ def test_not_a_module_refused():
         vtorch.compile_out_of_core(mlp(1), object())
 
 
+class ReadsAValue(torch.nn.Module):
+    """A forward with a data-dependent branch, as Hugging Face GPT-2's mask check has."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(WIDTH, 10)
+
+    def forward(self, x):
+        if (x[:, -1] == 0).all():
+            x = x + 1
+        return self.lin(x)
+
+
+def test_a_forward_that_reads_a_value_is_refused_by_name():
+    """Before: the meta device's own RuntimeError ("Tensor.item() cannot be called on meta
+    tensors"), which never said that policy() records on meta or what to do (seen on an H200
+    with Hugging Face GPT-2)."""
+    x, y = data()
+    with pytest.raises(InvalidArgumentError, match="records one training iteration on the meta "
+                       "device.*reads a tensor's value") as info:
+        vtorch.policy(ReadsAValue(), (x, y), loss_fn=LOSS, budget="1GiB")
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert "meta" in str(info.value.__cause__)
+
+
 def test_offload_mark_keeps_the_configured_joint_pass():
     from torch.utils.checkpoint import CheckpointPolicy as P
     gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Tanh()))

@@ -278,8 +278,8 @@ def policy(model, example, loss_fn=None, budget=None, link_gbps=None, optimizer=
     args, _ = _split_inputs(example)
     # The batch makes the simulation report speed (images/s), which the planner maximizes.
     batch = next((int(a.shape[0]) for a in args if isinstance(a, torch.Tensor) and a.dim()), 1)
-    seq = record(model, example, loss_fn=loss_fn, optimizer=optimizer, batch=batch)
-    keys = _forward_keys(model, args)
+    seq = _on_meta(record, model, example, loss_fn=loss_fn, optimizer=optimizer, batch=batch)
+    keys = _on_meta(_forward_keys, model, args)
     counts = {SAVE: 0, RECOMPUTE: 0, OFFLOAD: 0, "persistent_swaps_ignored": 0}
     names = [f.name for f in seq.functions[:len(keys)]]
     chosen = make_plan(seq, gpu=machine, budget=budget, recompute=True)
@@ -303,6 +303,23 @@ def policy(model, example, loss_fn=None, budget=None, link_gbps=None, optimizer=
         1 for v in chosen.schedule.swapped_out()
         if v < len(seq.variables) and seq.variables[v].persistent)
     return result
+
+
+def _on_meta(fn, *args, **kwargs):
+    """``fn`` (which runs the model on the meta device), with a model that reads a tensor's
+    value refused by name: meta tensors have none (e.g. Hugging Face GPT-2's mask code,
+    ``(mask[:, -1] == 0).all()``)."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as error:
+        if "meta" not in str(error):
+            raise
+        raise InvalidArgumentError(
+            "vmalloc.torch.policy records one training iteration on the meta device, and the "
+            "model's forward reads a tensor's value there (Tensor.item(), bool() or a "
+            f"data-dependent branch), which meta tensors do not have: {error}. Hugging Face "
+            "models do (transformers 5.17's mask code, with or without an attention mask): "
+            "train such a model eagerly with vmalloc.torch.out_of_core") from error
 
 
 def _mark_offloads(previous, graph, inputs):
