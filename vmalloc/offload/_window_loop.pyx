@@ -12,6 +12,8 @@ sum here can overflow.
 from libc.stdint cimport int64_t
 from libc.stdlib cimport free, malloc
 
+import numpy as np
+
 # variable states (as in window.py)
 cdef enum:
     ABSENT = 0
@@ -21,21 +23,99 @@ cdef enum:
     DROPPING = 4
 
 
+def uses_and_next(list functions, int64_t nvar, const unsigned char[::1] managed):
+    """``window._uses_and_next`` in one pass forward and one back, and every function's
+    outputs (``outs``, function i's at ``out_bounds[i]:out_bounds[i+1]``, managed or not):
+    ``(var, nxt, bounds, reads, first_reads, outs, out_bounds)``, NumPy arrays (int64;
+    ``first_reads`` uint8). The NumPy version stays the Python loop's, so that the tests
+    compare the two paths end to end."""
+    cdef Py_ssize_t n = len(functions), i, e = 0, o = 0, m = 0, start
+    cdef int64_t v
+    cdef tuple f, ins, outs
+    for i in range(n):
+        fo = functions[i]
+        if not isinstance(fo, tuple):       # a Function (a NamedTuple: a tuple's layout)
+            raise TypeError(f"function {i} is a {type(fo).__name__}, not a Function")
+        f = <tuple> fo
+        m += len(<tuple?> f[2]) + len(<tuple?> f[3])
+    var_a = np.empty(m, np.int64)
+    wr_a = np.empty(m, np.uint8)
+    outs_a = np.empty(m, np.int64)
+    bounds_a = np.zeros(n + 1, np.int64)
+    out_bounds_a = np.zeros(n + 1, np.int64)
+    reads_a = np.empty(n, np.int64)
+    stamp_a = np.full(nvar, -1, np.int64)
+    cdef int64_t[::1] var = var_a, outv = outs_a, bounds = bounds_a, obounds = out_bounds_a
+    cdef int64_t[::1] reads = reads_a, stamp = stamp_a
+    cdef unsigned char[::1] wr = wr_a
+    for i in range(n):
+        f = <tuple> functions[i]
+        ins = <tuple?> f[2]
+        outs = <tuple?> f[3]
+        start = e
+        # each managed variable once per function, at its first mention: the reads first
+        for x in ins:
+            v = x
+            if v < 0 or v >= nvar:
+                raise IndexError(f"function {i} reads variable {v}, not in the sequence")
+            if managed[v] and stamp[v] != i:
+                stamp[v] = i
+                var[e] = v
+                wr[e] = 0
+                e += 1
+        reads[i] = e - start
+        for x in outs:
+            v = x
+            if v < 0 or v >= nvar:
+                raise IndexError(f"function {i} writes variable {v}, not in the sequence")
+            outv[o] = v
+            o += 1
+            if managed[v] and stamp[v] != i:
+                stamp[v] = i
+                var[e] = v
+                wr[e] = 1
+                e += 1
+        bounds[i + 1] = e
+        obounds[i + 1] = o
+    # backwards: each use's next use (stamp reused: the code of v's next use, -1 none), and
+    # whether v's first use reads it (the last one seen going back)
+    nxt_a = np.empty(e, np.int64)
+    first_a = np.zeros(nvar, np.uint8)
+    cdef int64_t[::1] nxt = nxt_a
+    cdef unsigned char[::1] first = first_a
+    stamp[:] = -1
+    for i in range(n - 1, -1, -1):
+        for start in range(bounds[i], bounds[i + 1]):
+            v = var[start]
+            nxt[start] = stamp[v]
+            if wr[start]:
+                stamp[v] = -2 - i
+                first[v] = 0
+            else:
+                stamp[v] = i
+                first[v] = 1
+    return var_a[:e], nxt_a, bounds_a, reads_a, first_a, outs_a[:o], out_bounds_a
+
+
 def window_loop(int64_t n, int64_t nvar, const int64_t[::1] sizes,
                 const unsigned char[::1] persistent, const int64_t[::1] fvar,
                 const int64_t[::1] fnext, const int64_t[::1] bounds, const int64_t[::1] fnin,
                 const unsigned char[::1] first_reads, const int64_t[::1] outs,
                 const int64_t[::1] out_bounds, unsigned char[::1] state,
                 unsigned char[::1] hvalid, int64_t held, int64_t budget, int64_t window,
-                bint use_drop, list drop, list wait_swap_out, list allocate, list swap_in,
-                list wait_swap_in, list free_, list swap_out):
-    """Fills the per-function action lists (``drop[i]`` ... ``swap_out[i]``: lists of variable
-    ids) in place. ``fvar[bounds[i]:bounds[i+1]]`` are function i's managed variables (reads
-    first, ``fnin[i]`` of them), ``fnext`` their next uses (window.py's encoding), ``outs`` /
-    ``out_bounds`` every output of each function. ``state`` and ``hvalid`` are the initial
-    states, updated in place. Returns ``(-1, end, end_drop)`` (the swap-outs and pending drops
-    left in flight at the end, oldest first), or ``(i, None, None)`` when function i cannot
-    fit the budget even with every swap-out waited."""
+                bint use_drop, step_type):
+    """The steps (``step_type`` objects, :class:`~vmalloc.offload.schedule.Step`).
+    ``fvar[bounds[i]:bounds[i+1]]`` are function i's managed variables (reads first, ``fnin[i]``
+    of them), ``fnext`` their next uses (window.py's encoding), ``outs`` / ``out_bounds`` every
+    output of each function. ``state`` and ``hvalid`` are the initial states, updated in place.
+    Returns ``(-1, steps, end, end_drop)`` (the swap-outs and pending drops left in flight at
+    the end, oldest first), or ``(i, None, None, None)`` when function i cannot fit the budget
+    even with every swap-out waited."""
+    # per function its action lists, made Steps at the end (cheaper than a Step's attributes)
+    cdef list drop = [[] for _ in range(n)], wait_swap_out = [[] for _ in range(n)]
+    cdef list allocate = [[] for _ in range(n)], swap_in = [[] for _ in range(n)]
+    cdef list wait_swap_in = [[] for _ in range(n)], free_ = [[] for _ in range(n)]
+    cdef list swap_out = [[] for _ in range(n)]
     cdef int64_t nent = bounds[n] + 1
     # FIFO of swap-outs in flight: (token, variable), oldest first, in [fhead, ftail)
     cdef int64_t *ftok = <int64_t *> malloc(nent * sizeof(int64_t))
@@ -196,7 +276,19 @@ def window_loop(int64_t n, int64_t nvar, const int64_t[::1] sizes,
                         state[v] = ABSENT
                         held -= sizes[v]
         if fail >= 0:
-            return fail, None, None
+            return fail, None, None, None
+        steps = []
+        new = object.__new__
+        for i in range(n):
+            st = new(step_type)
+            st.drop = drop[i]
+            st.wait_swap_out = wait_swap_out[i]
+            st.allocate = allocate[i]
+            st.swap_in = swap_in[i]
+            st.wait_swap_in = wait_swap_in[i]
+            st.free = free_[i]
+            st.swap_out = swap_out[i]
+            steps.append(st)
         end = []
         end_drop = []
         for pos in range(fhead, ftail):
@@ -206,6 +298,6 @@ def window_loop(int64_t n, int64_t nvar, const int64_t[::1] sizes,
                     end.append(v)
                 elif state[v] == DROPPING:
                     end_drop.append(v)
-        return -1, end, end_drop
+        return -1, steps, end, end_drop
     finally:
         free(ftok); free(fv); free(out_token); free(out_step); free(cnt); free(own)

@@ -115,26 +115,6 @@ def empty_steps(n) -> List[Step]:
     return steps
 
 
-def steps_from(drop, wait_swap_out, allocate, swap_in, wait_swap_in, free, swap_out):
-    """Steps holding the given per-function lists (``drop[i]`` ... for step i), as
-    :func:`empty_steps` builds them."""
-    new = object.__new__
-    steps = []
-    append = steps.append
-    for d, w, a, si, wi, f, so in zip(drop, wait_swap_out, allocate, swap_in, wait_swap_in,
-                                      free, swap_out):
-        s = new(Step)
-        s.drop = d
-        s.wait_swap_out = w
-        s.allocate = a
-        s.swap_in = si
-        s.wait_swap_in = wi
-        s.free = f
-        s.swap_out = so
-        append(s)
-    return steps
-
-
 @dataclass
 class Schedule:
     """A scheduler's plan for one iteration of a :class:`~vmalloc.offload.FunctionSequence`."""

@@ -48,8 +48,8 @@ from itertools import chain
 import numpy as np
 
 from vmalloc.errors import InvalidArgumentError
-from vmalloc.offload._window_loop import window_loop
-from vmalloc.offload.schedule import Schedule, ScheduleError, empty_steps, paused_gc, steps_from
+from vmalloc.offload._window_loop import uses_and_next, window_loop
+from vmalloc.offload.schedule import Schedule, ScheduleError, Step, empty_steps, paused_gc
 from vmalloc.sizes import format_size, parse_size
 
 _ABSENT, _ON_HOST, _HELD, _SWAPPING_OUT, _DROPPING = range(5)
@@ -198,27 +198,21 @@ class WindowScheduler:
             return None
         functions = seq.functions
         n, nvar = len(functions), len(sizes)
-        var, nxt, bounds, reads, first_reads = _uses_and_next(functions, nvar, managed)
         pers = np.array(persistent, np.uint8)
+        var, nxt, bounds, reads, first_reads, outs, out_bounds = uses_and_next(
+            functions, nvar, np.array(managed, np.uint8))
         swap_persistent = self.persistent == "swap"
         state = pers * np.uint8(_ON_HOST) if swap_persistent else np.zeros(nvar, np.uint8)
         hvalid = pers.copy() if swap_persistent else np.zeros(nvar, np.uint8)
-        if self.drop:
-            outs = np.fromiter(chain.from_iterable([f.outputs for f in functions]), np.int64)
-            out_bounds = np.zeros(n + 1, np.int64)
-            np.cumsum([len(f.outputs) for f in functions], out=out_bounds[1:])
-        else:
-            outs = out_bounds = np.zeros(n + 1, np.int64)
-        lists = [[[] for _ in range(n)] for _ in range(7)]
         clamp = lambda x: max(-_LIMIT, min(x, _LIMIT))   # noqa: E731 - the same comparisons
-        fail, end, end_drop = window_loop(
+        fail, steps, end, end_drop = window_loop(
             n, nvar, np.array(sizes, np.int64), pers, var, nxt, bounds, reads,
-            first_reads.view(np.uint8), outs, out_bounds, state, hvalid, fixed,
-            clamp(self.budget), clamp(self.window), self.drop, *lists)
+            first_reads, outs, out_bounds, state, hvalid, fixed,
+            clamp(self.budget), clamp(self.window), self.drop, Step)
         if fail >= 0:
             raise self._too_big(seq, fail, var[bounds[fail]:bounds[fail + 1]].tolist(), sizes,
                                 fixed)
-        return self._result(steps_from(*lists), resident, end, end_drop)
+        return self._result(steps, resident, end, end_drop)
 
     def _schedule_py(self, seq, trace):
         """The main loop in Python: the reference the compiled one is tested against, and
