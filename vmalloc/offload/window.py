@@ -38,6 +38,9 @@ everything else; they start on the host, are swapped out after their last use an
 swap-out left is waited at the end (``end_wait_swap_out``). ``persistent="resident"``:
 persistent variables stay on the device (``initial_resident``) and count in the budget; the
 window counts only the variables it schedules.
+
+The main loop runs compiled (``_window_loop.pyx``); the Python loop below is its reference
+(tests compare the two) and the one that records ``trace=``.
 """
 
 from __future__ import annotations
