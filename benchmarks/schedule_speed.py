@@ -1,7 +1,8 @@
 """How long the schedulers take: a synthetic 10^5-function sequence (and the shipped models,
 when vmalloc.offload.models exists). Prints seconds per scheduler (the best of ``--repeat``
 runs: the machine here is shared) and the ratio of "window + drop + recompute considered" to
-the window scheduler alone measured in the same run.
+the window scheduler alone measured in the same run, with ``python -m timeit pass``'s figure
+before and after (this machine's speed varies about 4x: quote it beside every timing).
 
     PYTHONPATH=build/NAME/python python -P benchmarks/schedule_speed.py [--functions N] [--check]
         [--repeat K] [--synthetic-only]
@@ -17,6 +18,7 @@ import argparse
 import math
 import random
 import time
+import timeit
 
 from vmalloc.offload import FunctionSequence, InCoreScheduler, LMSScheduler, VDNNScheduler, WindowScheduler
 
@@ -47,6 +49,12 @@ def synthetic(n, seed=0):
 
 REPEAT = 1
 TIMES = {}
+
+
+def timeit_pass():
+    """``python -m timeit pass``'s figure: nanoseconds per loop, the best of 5."""
+    number, _ = timeit.Timer("pass").autorange()
+    return min(timeit.repeat("pass", number=number, repeat=5)) / number * 1e9
 
 
 def timed(label, fn, *args):
@@ -119,7 +127,9 @@ def main():
         import vmalloc.offload.recompute  # noqa: F401 - imported outside the counted call
         only(synthetic(args.functions), args.only)
         return
+    print(f"{'timeit pass (before)':40s} {timeit_pass():8.2f} ns")
     run(timed("build synthetic sequence", synthetic, args.functions), args.check)
+    print(f"{'timeit pass (after)':40s} {timeit_pass():8.2f} ns")
     if args.synthetic_only:
         return
     try:

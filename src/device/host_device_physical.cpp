@@ -34,7 +34,8 @@ physical_handle HostDevice::create(std::size_t size) {
   return handle;
 }
 
-void HostDevice::free_physical(std::map<physical_handle, Physical>::iterator it) noexcept {
+void HostDevice::free_physical(
+    std::unordered_map<physical_handle, Physical>::iterator it) noexcept {
   if (backed_) arena_->deallocate(it->second.offset, it->second.size);
   bytes_created_ -= it->second.size;
   if (it->second.released) --released_still_mapped_;

@@ -38,6 +38,9 @@ everything else; they start on the host, are swapped out after their last use an
 swap-out left is waited at the end (``end_wait_swap_out``). ``persistent="resident"``:
 persistent variables stay on the device (``initial_resident``) and count in the budget; the
 window counts only the variables it schedules.
+
+The main loop runs compiled (``_window_loop.pyx``); the Python loop below is its reference
+(tests compare the two) and the one that records ``trace=``.
 """
 
 from __future__ import annotations
@@ -48,19 +51,23 @@ from itertools import chain
 import numpy as np
 
 from vmalloc.errors import InvalidArgumentError
-from vmalloc.offload.schedule import Schedule, ScheduleError, empty_steps, paused_gc
+from vmalloc.offload._window_loop import uses_and_next, window_loop
+from vmalloc.offload.schedule import Schedule, ScheduleError, Step, empty_steps, paused_gc
 from vmalloc.sizes import format_size, parse_size
 
 _ABSENT, _ON_HOST, _HELD, _SWAPPING_OUT, _DROPPING = range(5)
+#: byte totals at or above this take the Python loop (the compiled one sums in int64)
+_LIMIT = 1 << 62
 
 
 def _uses_and_next(functions, nvar, managed):
-    """Per function: the managed variables it uses, each once, its reads first (``fman``), how
-    many of them it reads (``fnin``: the reads are a prefix), and for each its next use,
-    encoded in one int (``fnext``): ``j >= 0`` a read at function j, ``-2 - j`` a write-only use
-    at j (its content is dead), ``-1`` none this iteration; and per variable whether its first
-    use reads it (``first_reads``). Vectorised: one Python pass per function costs a third of a
-    schedule."""
+    """Per function: the managed variables it uses, each once, its reads first (``var``, all
+    functions' one after the other, function i's at ``bounds[i]:bounds[i+1]``), how many of
+    them it reads (``reads``: the reads are a prefix), and for each its next use, encoded in one
+    int (``nxt``): ``j >= 0`` a read at function j, ``-2 - j`` a write-only use at j (its
+    content is dead), ``-1`` none this iteration; and per variable whether its first use reads
+    it (``first_reads``). NumPy arrays. Vectorised: one Python pass per function costs a third
+    of a schedule."""
     n = len(functions)
     ins = [f.inputs for f in functions]
     outs = [f.outputs for f in functions]
@@ -98,10 +105,18 @@ def _uses_and_next(functions, nvar, managed):
     starts[1:] = ~same
     heads = byvar[starts]
     first_reads[var[heads]] = ~written[heads]
+    bounds = np.zeros(n + 1, np.int64)
+    np.cumsum(counts, out=bounds[1:])
+    return var, nxt, bounds, reads, first_reads
+
+
+def _as_lists(var, nxt, bounds, reads, first_reads):
+    """``_uses_and_next``'s arrays as the Python loop reads them: per function its list of
+    variables and of next uses."""
     vs, nx = var.tolist(), nxt.tolist()
-    bounds = np.concatenate(([0], np.cumsum(counts))).tolist()
-    spans = list(zip(bounds, bounds[1:]))
-    return ([vs[a:b] for a, b in spans], reads.tolist(), [nx[a:b] for a, b in spans],
+    b = bounds.tolist()
+    spans = list(zip(b, b[1:]))
+    return ([vs[x:y] for x, y in spans], reads.tolist(), [nx[x:y] for x, y in spans],
             first_reads.tolist())
 
 
@@ -140,34 +155,85 @@ class WindowScheduler:
         the window stops advancing), ``("wait", i, v)``, ``("cancel", i, v, k)`` (the swap-out
         issued after ``f_k`` is dropped)."""
         with paused_gc():
-            return self._schedule(seq, trace)
+            if trace is None:
+                sched = self._schedule_compiled(seq)
+                if sched is not None:
+                    return sched
+            return self._schedule_py(seq, trace)
 
-    def _schedule(self, seq, trace):
+    def _prepare(self, seq):
+        """What both loops start from: per variable its size, whether it is persistent and
+        managed (scheduled here), the resident persistent variables and their bytes."""
+        swap_persistent = self.persistent == "swap"
+        variables = seq.variables
+        sizes = [v.nbytes for v in variables]
+        persistent = [v.persistent for v in variables]
+        managed = [swap_persistent or not p for p in persistent]
+        resident = [] if swap_persistent else [v for v in range(len(variables)) if persistent[v]]
+        fixed = sum([sizes[v] for v in resident])
+        if fixed > self.budget:
+            raise ScheduleError(
+                f"the resident persistent variables take {format_size(fixed)} ({fixed} bytes); "
+                f"the budget is {format_size(self.budget)} ({self.budget} bytes)", function=None)
+        return sizes, persistent, managed, resident, fixed
+
+    def _too_big(self, seq, i, vs, sizes, fixed):
+        """The error for function i, whose managed variables ``vs`` never fit the budget."""
+        budget = self.budget
+        total = sum(sizes[v] for v in vs) + fixed
+        detail = f" ({format_size(fixed)} of it resident persistent variables)" if fixed else ""
+        return ScheduleError(
+            f"function {i} ({seq.functions[i].name}) needs {format_size(total)} "
+            f"({total} bytes){detail}; the budget is {format_size(budget)} "
+            f"({budget} bytes)", function=i, needed_bytes=total)
+
+    def _result(self, steps, resident, end, end_drop):
+        params = {"window": self.window, "persistent": self.persistent, "drop": self.drop}
+        return Schedule("window", steps, budget=self.budget, params=params,
+                        initial_resident=frozenset(resident), end_wait_swap_out=end,
+                        end_drop=end_drop)
+
+    def _schedule_compiled(self, seq):
+        """The main loop in C (``_window_loop``): the same schedule as ``_schedule_py``. None
+        when a byte total could overflow its int64 sums."""
+        sizes, persistent, managed, resident, fixed = self._prepare(seq)
+        if sum(sizes) >= _LIMIT:
+            return None
+        functions = seq.functions
+        n, nvar = len(functions), len(sizes)
+        pers = np.array(persistent, np.uint8)
+        var, nxt, bounds, reads, first_reads, outs, out_bounds = uses_and_next(
+            functions, nvar, np.array(managed, np.uint8))
+        swap_persistent = self.persistent == "swap"
+        state = pers * np.uint8(_ON_HOST) if swap_persistent else np.zeros(nvar, np.uint8)
+        hvalid = pers.copy() if swap_persistent else np.zeros(nvar, np.uint8)
+        clamp = lambda x: max(-_LIMIT, min(x, _LIMIT))   # noqa: E731 - the same comparisons
+        fail, steps, end, end_drop = window_loop(
+            n, nvar, np.array(sizes, np.int64), pers, var, nxt, bounds, reads,
+            first_reads, outs, out_bounds, state, hvalid, fixed,
+            clamp(self.budget), clamp(self.window), self.drop, Step)
+        if fail >= 0:
+            raise self._too_big(seq, fail, var[bounds[fail]:bounds[fail + 1]].tolist(), sizes,
+                                fixed)
+        return self._result(steps, resident, end, end_drop)
+
+    def _schedule_py(self, seq, trace):
+        """The main loop in Python: the reference the compiled one is tested against, and
+        the one that records ``trace``."""
         budget = self.budget
         window = self.window
         swap_persistent = self.persistent == "swap"
         functions = seq.functions
         n = len(functions)
-        variables = seq.variables
-        nvar = len(variables)
-        sizes = [v.nbytes for v in variables]
-        persistent = [v.persistent for v in variables]
-        managed = [swap_persistent or not p for p in persistent]
-
-        fman, fnin, fnext, first_reads = _uses_and_next(functions, nvar, managed)
+        nvar = len(seq.variables)
+        sizes, persistent, managed, resident, fixed = self._prepare(seq)
+        fman, fnin, fnext, first_reads = _as_lists(*_uses_and_next(functions, nvar, managed))
         steps = empty_steps(n)
         if swap_persistent:
             state = [_ON_HOST if p else _ABSENT for p in persistent]
-            resident = []
         else:
             state = [_ABSENT] * nvar
-            resident = [v for v in range(nvar) if persistent[v]]
-        held = sum([sizes[v] for v in resident])
-        fixed = held
-        if fixed > budget:
-            raise ScheduleError(
-                f"the resident persistent variables take {format_size(fixed)} ({fixed} bytes); "
-                f"the budget is {format_size(budget)} ({budget} bytes)", function=None)
+        held = fixed
 
         use_drop = self.drop
         # the host holds v's current content (it came in by a swap-in or went out by a
@@ -238,14 +304,7 @@ class WindowScheduler:
                     fifo.extendleft(reversed(skipped))
                 if held + need > budget:
                     if j == i:
-                        own_bytes = sum(sizes[v] for v in vs)
-                        total = own_bytes + fixed
-                        detail = f" ({format_size(fixed)} of it resident persistent variables)" \
-                            if fixed else ""
-                        raise ScheduleError(
-                            f"function {i} ({functions[i].name}) needs {format_size(total)} "
-                            f"({total} bytes){detail}; the budget is {format_size(budget)} "
-                            f"({budget} bytes)", function=i, needed_bytes=total)
+                        raise self._too_big(seq, i, vs, sizes, fixed)
                     if trace is not None:
                         trace.append(("stall", i, j))
                     break                        # stop advancing: prefetch less
@@ -328,9 +387,6 @@ class WindowScheduler:
         live = [v for t, v, _ in fifo if out_token[v] == t]
         end = [v for v in live if state[v] == _SWAPPING_OUT]
         end_drop = [v for v in live if state[v] == _DROPPING]
-        params = {"window": self.window, "persistent": self.persistent, "drop": self.drop}
-        return Schedule("window", steps, budget=budget, params=params,
-                        initial_resident=frozenset(resident), end_wait_swap_out=end,
-                        end_drop=end_drop)
+        return self._result(steps, resident, end, end_drop)
 
     __call__ = schedule
