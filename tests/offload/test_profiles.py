@@ -155,3 +155,13 @@ def test_cli_refuses_an_uncalibrated_profile_in_one_line(capsys):
     out, err = capsys.readouterr()
     assert code == 2
     assert "no published row calibrates p100-16gb" in err and len(err.strip().splitlines()) == 1
+
+
+def test_compression_of_already_half_activations_is_refused(capsys):
+    code = main(["offload", "simulate", "--batch", "64", "--compress", "fp16"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "under precision amp the activations are already half" in err
+    # under fp32 it is what it was
+    d = json.loads(run(capsys, "simulate", "--batch", "64", "--compress", "fp16",
+                       "--precision", "fp32", "--json"))
+    assert d["precision"] == "fp32" and d["planned"]["params"]["compress"] == "fp16"

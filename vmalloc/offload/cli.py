@@ -202,6 +202,9 @@ def _simulate(args):
     if args.scheduler != "window" and (args.budget is not None or args.window is not None):
         raise OffloadCliError("--budget and --window apply to --scheduler window only")
     gpu = _gpu(args.gpu, args.profile, args.precision)
+    if args.compress and gpu.precision == "amp":
+        raise OffloadCliError(f"--compress {args.compress}: under precision amp the activations "
+                              "are already half precision; choose --precision fp32 (or tf32)")
     for flag, value in (("--budget", args.budget), ("--window", args.window)):
         if value is not None and value > gpu.memory_bytes:
             raise OffloadCliError(f"{flag} {format_size(value)} is above the memory of the "
@@ -293,7 +296,9 @@ def table(model="resnet50", gpu="v100-16gb", batches=None, progress=False, choic
     configs = [("window", "caching", None, {}), ("window", "virtual", None, {}),
                ("lms", "virtual", None, {}), ("vdnn", "virtual", None, {})]
     if choices:
-        configs += [("window", "virtual", key, extra) for key, extra in CHOICE_COLUMNS]
+        # under amp the activations are already 16-bit: no fp16 compression column
+        configs += [("window", "virtual", key, extra) for key, extra in CHOICE_COLUMNS
+                    if not (extra.get("compress") and gpu.precision == "amp")]
     rows = []
     for k, b in enumerate(batches):
         if progress:
@@ -342,6 +347,8 @@ def _fmt(x, width=8):
 
 
 def _table(args):
+    from vmalloc.offload.cli_profiles import ratio_cells
+
     batches = None
     if args.batches:
         try:
@@ -367,17 +374,21 @@ def _table(args):
     head = (f"{'batch':>6} {'in-core':>8} {'win+cach':>8} {'win+virt':>8} {'rel':>5} "
             f"{'same':>5} {'lms+virt':>8} {'vdnn+vir':>8}")
     if args.choices:
-        head += f" {'win+rc':>8} {'rel':>5} {'same':>5} {'rc+fp16':>8} {'rel':>5} {'same':>5}"
+        head += f" {'win+rc':>8} {'rel':>5} {'same':>5}"
+        if t["precision"] != "amp":
+            head += f" {'rc+fp16':>8} {'rel':>5} {'same':>5}"
     if paper:
         head += f" {'paper-ic':>8} {'paper-va':>8}"
     head += "   win+caching reserved / budget"
     print(head)
     for r in t["rows"]:
         line = (f"{r['batch']:>6} {_fmt(r['in_core'])} {_fmt(r['window+caching'])} "
-                f"{_fmt(r['window+virtual'])} {_ratios(r, 'window+virtual')} "
+                f"{_fmt(r['window+virtual'])} {ratio_cells(r, 'window+virtual')} "
                 f"{_fmt(r['lms+virtual'])} {_fmt(r['vdnn+virtual'])}")
         for key, _ in (CHOICE_COLUMNS if args.choices else ()):
-            line += f" {_fmt(r[key])} {_ratios(r, key)}"
+            if key not in r:
+                continue
+            line += f" {_fmt(r[key])} {ratio_cells(r, key)}"
         if paper:
             line += "".join(f" {'-':>8}" if r.get(k) is None else f" {r[k]:>8}"
                             for k in ("paper_in_core", "paper_schedule_va"))
@@ -394,14 +405,6 @@ def _table(args):
     return 0
 
 
-def _ratios(row, key):
-    """``relative_speed`` and ``same_batch_compute_ratio`` of ``key`` in ``row``: never one
-    ratio alone."""
-    rel, same = row.get(key + ":relative"), row.get(key + ":same_batch_compute_ratio")
-    return (f"{'' if rel is None else format(rel, '.0%'):>5} "
-            f"{'' if same is None else format(same, '.0%'):>5}")
-
-
 def _models(args):
     from vmalloc.offload.models import MODELS, model_sequence
 
@@ -411,18 +414,9 @@ def _models(args):
 
 
 def _gpus(args):
-    from vmalloc.offload.cli_profiles import gpu_profile_lines
-    from vmalloc.offload.gpus import GPUS
+    from vmalloc.offload.cli_profiles import print_gpus
 
-    for g in GPUS.values():
-        print(f"{g.name:<10} {format_size(g.memory_bytes)}, {g.peak_flops / 1e12:.0f} TFLOP/s "
-              f"x {g.compute_efficiency:.3f}, HBM {g.hbm_bandwidth / 1e9:.0f} GB/s, {g.link}: "
-              f"H2D {g.h2d_bandwidth / 1e9:.1f} / D2H {g.d2h_bandwidth / 1e9:.1f} / both "
-              f"{g.bidirectional_bandwidth / 1e9:.1f} GB/s, "
-              f"{g.function_overhead_seconds * 1e6:.0f} us/function (raw model)")
-        for line in gpu_profile_lines(g):
-            print(line)
-    return 0
+    return print_gpus()
 
 
 def _train(args):

@@ -12,7 +12,8 @@ import sys
 
 from vmalloc.offload.profiles import PRECISIONS, PROFILES
 
-__all__ = ["add_profile_arguments", "add_validate_parser", "run_validate", "gpu_profile_lines"]
+__all__ = ["add_profile_arguments", "add_validate_parser", "run_validate", "gpu_profile_lines",
+           "print_gpus", "ratio_cells"]
 
 
 def add_profile_arguments(parser, default_text):
@@ -65,3 +66,27 @@ def gpu_profile_lines(gpu):
                    f"function on the stream, {g.host_seconds * 1e6:.1f} us/function on the "
                    f"host: {cal.source}")
     return out
+
+
+def print_gpus():
+    """``vmalloc offload gpus``: each raw GPU model, then its calibrated profiles."""
+    from vmalloc.offload.gpus import GPUS
+    from vmalloc.sizes import format_size
+
+    for g in GPUS.values():
+        print(f"{g.name:<10} {format_size(g.memory_bytes)}, {g.peak_flops / 1e12:.0f} TFLOP/s "
+              f"x {g.compute_efficiency:.3f}, HBM {g.hbm_bandwidth / 1e9:.0f} GB/s, {g.link}: "
+              f"H2D {g.h2d_bandwidth / 1e9:.1f} / D2H {g.d2h_bandwidth / 1e9:.1f} / both "
+              f"{g.bidirectional_bandwidth / 1e9:.1f} GB/s, "
+              f"{g.function_overhead_seconds * 1e6:.0f} us/function (raw model)")
+        for line in gpu_profile_lines(g):
+            print(line)
+    return 0
+
+
+def ratio_cells(row, key):
+    """``relative_speed`` and ``same_batch_compute_ratio`` of ``key`` in a table row, side by
+    side: never one ratio alone."""
+    rel, same = row.get(key + ":relative"), row.get(key + ":same_batch_compute_ratio")
+    return (f"{'' if rel is None else format(rel, '.0%'):>5} "
+            f"{'' if same is None else format(same, '.0%'):>5}")

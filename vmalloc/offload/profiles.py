@@ -193,7 +193,8 @@ def _halved(v):
 
 def apply_precision(seq, precision):
     """``seq`` as ``precision`` stores it: under ``amp`` every batch-scaled float activation
-    at half its bytes (see :func:`_halved`); other precisions return ``seq`` unchanged.
+    at half its bytes (not parameters, optimizer state, the fp32 input or integer
+    tensors); other precisions return ``seq`` unchanged.
     Marks ``seq.meta["precision"]``."""
     if precision not in PRECISIONS:
         raise InvalidArgumentError(
