@@ -5,6 +5,7 @@ on every simulation."""
 import json
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from vmalloc.cli import main
 from vmalloc.errors import InvalidArgumentError
@@ -165,3 +166,22 @@ def test_compression_of_already_half_activations_is_refused(capsys):
     d = json.loads(run(capsys, "simulate", "--batch", "64", "--compress", "fp16",
                        "--precision", "fp32", "--json"))
     assert d["precision"] == "fp32" and d["planned"]["params"]["compress"] == "fp16"
+
+
+@settings(deadline=None)
+@given(st.lists(st.floats(min_value=0.0, max_value=1e-3), min_size=1, max_size=30),
+       st.floats(min_value=0.0, max_value=1e-3))
+def test_the_in_core_iteration_is_the_host_chain_within_its_bounds(kernels, host):
+    """Any kernels and launch cost: the simulated in-core iteration is the host chain exactly,
+    at least the kernels' sum and the launches' sum, at most both added."""
+    gpu = _gpu(host_seconds=host, profile="pytorch-eager")
+    seq = _chain(kernels)
+    r = simulate(seq, gpu=gpu)
+    chain = host_chain_seconds(kernels, host)
+    assert r.iteration_seconds == pytest.approx(chain, rel=1e-9, abs=1e-15)
+    assert in_core_seconds(seq, gpu) == pytest.approx(chain, rel=1e-9, abs=1e-15)
+    n = len(kernels)
+    assert chain >= max(sum(kernels), n * host) * (1 - 1e-9)
+    assert chain <= (sum(kernels) + n * host) * (1 + 1e-9) + 1e-15
+    if chain > 0:
+        assert r.same_batch_compute_ratio == pytest.approx(1.0)
