@@ -20,17 +20,20 @@ from vmalloc.offload.planner import in_core_reference, max_batch
 
 def show(t):
     cols = ["in_core", "window+caching", "window+virtual", "lms+virtual", "vdnn+virtual"]
-    print(f"{t['model']} on {t['gpu']}: images/s; in-core limit batch {t['in_core_limit']} "
+    print(f"{t['model']} on {t['gpu']} (profile {t['profile']}, precision {t['precision']}): "
+          f"images/s; in-core limit batch {t['in_core_limit']} "
           f"({t['in_core_limit_images_per_second'] or 0:.0f} images/s)")
-    print(f"{'batch':>6}" + "".join(f"{c:>15}" for c in cols) + f"{'rel':>6}{'paper':>7}"
+    print(f"{'batch':>6}" + "".join(f"{c:>15}" for c in cols) + f"{'rel':>6}{'same':>6}{'paper':>7}"
           f"{'caching reserved/budget':>26}")
     for r in t["rows"]:
         cells = "".join(f"{'OOM' if r[c] is None else format(r[c], '.0f'):>15}" for c in cols)
         rel = r.get("window+virtual:relative")
+        same = r.get("window+virtual:same_batch_compute_ratio")
         res, bud = r.get("window+caching:peak_reserved_bytes"), r.get("window+caching:budget_bytes")
         rb = f"{res / 2**30:.2f}/{bud / 2**30:.2f} GiB" if res and bud else ""
         paper = r.get("paper_schedule_va")
         print(f"{r['batch']:>6}{cells}{'' if rel is None else format(rel, '.0%'):>6}"
+              f"{'' if same is None else format(same, '.0%'):>6}"
               f"{'-' if paper is None else paper:>7}{rb:>26}")
 
 

@@ -8,8 +8,10 @@ compression as their own columns (issue 16), as Markdown for docs/benchmarks.md.
 Each table is ``vmalloc offload table --model M --gpu G --choices``: images/s per batch for
 in-core, the window scheduler on the caching and the virtual allocator, LMS and vDNN on the
 virtual allocator, then window+virtual with recompute considered (lossless) and with fp16
-compression on top (lossy, opt-in); "rel" is the paper's ratio (over the in-core images/s at
-the in-core limit).
+compression on top (lossy, opt-in; no such column under amp, whose activations are 16-bit
+already). In parentheses: relative_speed (the paper's ratio, over the in-core images/s at the
+in-core limit) / same_batch_compute_ratio (this batch's compute-only time over its iteration
+time): never one alone. The heading names the profile and precision.
 """
 
 import argparse
@@ -25,19 +27,22 @@ RELATIVE = ("window+virtual", "window+virtual+recompute", "window+virtual+recomp
 
 
 def markdown(t):
-    lines = [f"**{t['model']} on `{t['gpu']}`** (link {t['link']}; in-core limit batch "
+    lines = [f"**{t['model']} on `{t['gpu']}`** (profile {t.get('profile', 'nnabla')}, precision "
+             f"{t.get('precision', 'mixed-fp32-storage')}; link {t['link']}; in-core limit batch "
              f"{t['in_core_limit']} at {t['in_core_limit_images_per_second'] or 0:.0f} "
              "images/s)", ""]
-    lines.append("| batch | " + " | ".join(name for _, name in COLUMNS) + " |")
-    lines.append("|---" * (len(COLUMNS) + 1) + "|")
+    columns = [(k, n) for k, n in COLUMNS if any(k in r for r in t["rows"])]
+    lines.append("| batch | " + " | ".join(name for _, name in columns) + " |")
+    lines.append("|---" * (len(columns) + 1) + "|")
     for r in t["rows"]:
         cells = [str(r["batch"])]
-        for key, _ in COLUMNS:
+        for key, _ in columns:
             v = r.get(key)
             cell = "OOM" if v is None else f"{v:.0f}"
             rel = r.get(key + ":relative") if key in RELATIVE else None
+            same = r.get(key + ":same_batch_compute_ratio", r.get(key + ":speed_vs_compute_only"))
             if v is not None and rel is not None:
-                cell += f" ({rel:.0%})"
+                cell += f" ({rel:.0%} / {same:.0%})"
             cells.append(cell)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

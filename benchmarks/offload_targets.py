@@ -23,7 +23,9 @@ def show(label, p, seq):
         print(f"{label}: no feasible plan ({p.reason})", flush=True)
         return None
     moved = sum(seq.nbytes(v) for v in p.schedule.dropped()) if p.schedule else 0
-    print(f"{label}: {r.images_per_second:.1f} images/s, relative_speed {r.relative_speed:.3f} "
+    print(f"{label} ({r.profile}, {r.precision}): {r.images_per_second:.1f} images/s, "
+          f"relative_speed {r.relative_speed:.3f}, same_batch_compute_ratio "
+          f"{r.same_batch_compute_ratio:.3f} "
           f"(in-core limit batch {r.in_core_limit_batch} at "
           f"{r.in_core_limit_images_per_second:.1f}); out {r.swapped_out_bytes / GB:.2f} GB, "
           f"in {r.swapped_in_bytes / GB:.2f} GB, dropped {moved / GB:.2f} GB; recomputed "

@@ -22,7 +22,7 @@ def run(capsys, *argv):
 def test_simulate_and_table_print_the_same_relative_speed(capsys):
     # a small GPU keeps this fast: resnet50 at batch 48 on a 2 GiB V100 is past its limit
     d = json.loads(run(capsys, "simulate", "--batch", "48", "--budget", "1900MiB", "--window",
-                       "256MiB", "--json", "--gpu", "v100-16gb"))
+                       "256MiB", "--json", "--gpu", "v100-16gb", "--profile", "nnabla"))
     limit, ips = in_core_reference("resnet50", "v100-16gb")
     assert d["in_core_limit_batch"] == limit
     assert d["in_core_limit_images_per_second"] == pytest.approx(ips)

@@ -4,7 +4,8 @@
 
     vmalloc offload simulate --model resnet50 --batch 1440 --gpu v100-16gb \\
         --scheduler window --allocator virtual [--budget SIZE] [--window SIZE] [--json] [--plot F]
-    vmalloc offload table --model resnet50 --gpu v100-16gb [--json]
+    vmalloc offload table --model resnet50 --gpu v100-16gb [--profile P] [--precision P] [--json]
+    vmalloc offload validate [--in-core-only] [--json]
     vmalloc offload models
     vmalloc offload gpus
 
@@ -44,6 +45,7 @@ _SIZE_PARAMS = ("window", "budget")
 
 def add_parser(sub):
     """Adds ``offload`` and its subcommands to ``sub`` (an argparse subparsers object)."""
+    from vmalloc.offload.cli_profiles import add_profile_arguments, add_validate_parser
     from vmalloc.offload.schedulers import SCHEDULERS
     from vmalloc.offload.simulator import ALLOCATORS
 
@@ -86,6 +88,7 @@ def add_parser(sub):
     s.add_argument("--json", action="store_true",
                    help="print one JSON object (sizes in bytes)")
     s.add_argument("--plot", metavar="FILE.png", help="write a timeline PNG")
+    add_profile_arguments(s, "pytorch-eager (vmalloc's predictions) where calibrated")
 
     t = osub.add_parser("table", help="the paper's Table 1, simulated")
     t.add_argument("--model", default="resnet50", help=_MODEL_HELP)
@@ -98,6 +101,8 @@ def add_parser(sub):
                    help="add columns for window+virtual with recompute considered and with fp16 "
                         "compression on top (slower: the planner tries each choice)")
     t.add_argument("--json", action="store_true", help="print one JSON object (sizes in bytes)")
+    add_profile_arguments(t, "nnabla (the paper's comparison) where calibrated")
+    add_validate_parser(osub)
 
     r = osub.add_parser("train", help="train a NumPy network out of core on the emulated "
                                       "device, under half its in-core memory")
@@ -126,7 +131,15 @@ def add_parser(sub):
     return p
 
 
-def _sequence(model, batch):
+def _sequence(model, batch, precision=None):
+    """The model's sequence at ``batch``, its activations as ``precision`` stores them."""
+    from vmalloc.offload.profiles import apply_precision
+
+    seq = _recorded_sequence(model, batch)
+    return seq if precision is None else apply_precision(seq, precision)
+
+
+def _recorded_sequence(model, batch):
     from vmalloc.offload.models import MODELS, model_sequence
     from vmalloc.offload.sequence import FunctionSequence
 
@@ -158,21 +171,24 @@ def _sequence(model, batch):
                           f"no such file")
 
 
-def _gpu(name):
+def _gpu(name, profile=None, precision=None, purpose="predict"):
+    """The GPU model ``name`` with its profile's and precision's calibrated constants."""
     from vmalloc.offload.gpus import GPUS
+    from vmalloc.offload.profiles import profiled_gpu
 
     if name.lower() not in GPUS:
         raise OffloadCliError(f"--gpu {name}: unknown GPU; choose from {', '.join(GPUS)}")
-    return GPUS[name.lower()]
+    return profiled_gpu(GPUS[name.lower()], profile, precision, purpose)
 
 
 def _reference(model, gpu):
-    """(in-core limit batch, its images/s) of ``model`` on ``gpu``, or None when nothing runs
-    in core."""
+    """(in-core limit batch, its images/s) of ``model`` on ``gpu`` (at its precision's
+    bytes), or None when nothing runs in core."""
     from vmalloc.offload.models import MODELS
     from vmalloc.offload.planner import in_core_reference
 
-    key = model if model in MODELS else (lambda b: _sequence(model, b))
+    key = (model if model in MODELS and gpu.precision != "amp"
+           else (lambda b: _sequence(model, b, gpu.precision)))
     limit, ips = in_core_reference(key, gpu)
     return (limit, ips) if limit else None
 
@@ -185,13 +201,16 @@ def _simulate(args):
         raise OffloadCliError(f"--batch must be positive, got {args.batch}")
     if args.scheduler != "window" and (args.budget is not None or args.window is not None):
         raise OffloadCliError("--budget and --window apply to --scheduler window only")
-    gpu = _gpu(args.gpu)
+    gpu = _gpu(args.gpu, args.profile, args.precision)
+    if args.compress and gpu.precision == "amp":
+        raise OffloadCliError(f"--compress {args.compress}: under precision amp the activations "
+                              "are already half precision; choose --precision fp32 (or tf32)")
     for flag, value in (("--budget", args.budget), ("--window", args.window)):
         if value is not None and value > gpu.memory_bytes:
             raise OffloadCliError(f"{flag} {format_size(value)} is above the memory of the "
                                   f"{gpu.name} ({format_size(gpu.memory_bytes)})")
     check_chunk_size(args.chunk_size)
-    seq = _sequence(args.model, args.batch)
+    seq = _sequence(args.model, args.batch, gpu.precision)
     # the paper's reference: in-core images/s at the in-core limit (relative_speed divides by it)
     ref = _reference(args.model, gpu)
     p = plan(seq, gpu, args.scheduler, args.allocator, budget=args.budget, window=args.window,
@@ -256,15 +275,18 @@ CHOICE_COLUMNS = (("window+virtual+recompute", dict(recompute=True)),
                   ("window+virtual+recompute+fp16", dict(recompute=True, compress="fp16")))
 
 
-def table(model="resnet50", gpu="v100-16gb", batches=None, progress=False, choices=False):
+def table(model="resnet50", gpu="v100-16gb", batches=None, progress=False, choices=False,
+          profile=None, precision=None):
     """The paper's Table 1 for ``model`` on ``gpu``, simulated: a dict with ``rows`` (one per
     batch: images/s or None for out of memory, per configuration) and the in-core limit.
-    ``choices``: also the columns of :data:`CHOICE_COLUMNS` (recompute, compression)."""
+    ``choices``: also the columns of :data:`CHOICE_COLUMNS` (recompute, compression).
+    ``gpu`` by name gets ``profile`` and ``precision`` (default: the paper's ``nnabla`` where
+    calibrated); a :class:`GPU` is used as it is."""
     from vmalloc.offload.planner import in_core_reference, plan
     from vmalloc.offload.simulator import simulate
 
-    gpu = _gpu(gpu) if isinstance(gpu, str) else gpu
-    seq_fn = (lambda b: _sequence(model, b))
+    gpu = _gpu(gpu, profile, precision, "paper") if isinstance(gpu, str) else gpu
+    seq_fn = (lambda b: _sequence(model, b, gpu.precision))
     limit, limit_ips = in_core_reference(seq_fn, gpu)
     if batches is None and model != "resnet50" and limit:
         # other models: multiples of their own in-core limit
@@ -274,7 +296,9 @@ def table(model="resnet50", gpu="v100-16gb", batches=None, progress=False, choic
     configs = [("window", "caching", None, {}), ("window", "virtual", None, {}),
                ("lms", "virtual", None, {}), ("vdnn", "virtual", None, {})]
     if choices:
-        configs += [("window", "virtual", key, extra) for key, extra in CHOICE_COLUMNS]
+        # under amp the activations are already 16-bit: no fp16 compression column
+        configs += [("window", "virtual", key, extra) for key, extra in CHOICE_COLUMNS
+                    if not (extra.get("compress") and gpu.precision == "amp")]
     rows = []
     for k, b in enumerate(batches):
         if progress:
@@ -295,6 +319,7 @@ def table(model="resnet50", gpu="v100-16gb", batches=None, progress=False, choic
                 # the same figure as simulate's relative_speed (the paper's ratio)
                 row[key + ":relative"] = r.relative_speed
                 row[key + ":speed_vs_compute_only"] = r.speed_vs_compute_only
+                row[key + ":same_batch_compute_ratio"] = r.speed_vs_compute_only
                 row[key + ":bound_ratio"] = r.bound_ratio
                 row[key + ":serial_bound_ratio"] = r.serial_bound_ratio
             else:
@@ -311,7 +336,8 @@ def table(model="resnet50", gpu="v100-16gb", batches=None, progress=False, choic
         print(file=sys.stderr)
     from vmalloc.offload.simulator import link_description
 
-    return {"model": model, "gpu": gpu.name, "link": link_description(gpu),
+    return {"model": model, "gpu": gpu.name, "profile": gpu.profile,
+            "precision": gpu.precision, "link": link_description(gpu),
             "in_core_limit": limit,
             "in_core_limit_images_per_second": limit_ips, "rows": rows}
 
@@ -321,6 +347,8 @@ def _fmt(x, width=8):
 
 
 def _table(args):
+    from vmalloc.offload.cli_profiles import ratio_cells
+
     batches = None
     if args.batches:
         try:
@@ -330,7 +358,7 @@ def _table(args):
                                   f"{args.batches!r}") from None
         if not batches or min(batches) < 1:
             raise OffloadCliError("--batches must be positive integers")
-    gpu = _gpu(args.gpu)
+    gpu = _gpu(args.gpu, args.profile, args.precision, "paper")
     _sequence(args.model, None)   # a clear error before any work
     t = table(args.model, gpu, batches, progress=sys.stderr.isatty() and not args.json,
               choices=args.choices)
@@ -339,26 +367,28 @@ def _table(args):
         sys.stdout.write("\n")
         return 0
     paper = any("paper_schedule_va" in r for r in t["rows"])
-    print(f"{t['model']} on {t['gpu']}: images/s (OOM: out of memory); in-core limit batch "
+    print(f"{t['model']} on {t['gpu']} (profile {t['profile']}, precision {t['precision']}): "
+          f"images/s (OOM: out of memory); in-core limit batch "
           f"{t['in_core_limit']} at {t['in_core_limit_images_per_second'] or 0:.0f} images/s; "
           f"link {t['link']}")
     head = (f"{'batch':>6} {'in-core':>8} {'win+cach':>8} {'win+virt':>8} {'rel':>5} "
-            f"{'lms+virt':>8} {'vdnn+vir':>8}")
+            f"{'same':>5} {'lms+virt':>8} {'vdnn+vir':>8}")
     if args.choices:
-        head += f" {'win+rc':>8} {'rel':>5} {'rc+fp16':>8} {'rel':>5}"
+        head += f" {'win+rc':>8} {'rel':>5} {'same':>5}"
+        if t["precision"] != "amp":
+            head += f" {'rc+fp16':>8} {'rel':>5} {'same':>5}"
     if paper:
         head += f" {'paper-ic':>8} {'paper-va':>8}"
     head += "   win+caching reserved / budget"
     print(head)
     for r in t["rows"]:
-        rel = r.get("window+virtual:relative")
         line = (f"{r['batch']:>6} {_fmt(r['in_core'])} {_fmt(r['window+caching'])} "
-                f"{_fmt(r['window+virtual'])} "
-                f"{'' if rel is None else format(rel, '.0%'):>5} "
+                f"{_fmt(r['window+virtual'])} {ratio_cells(r, 'window+virtual')} "
                 f"{_fmt(r['lms+virtual'])} {_fmt(r['vdnn+virtual'])}")
         for key, _ in (CHOICE_COLUMNS if args.choices else ()):
-            rel = r.get(key + ":relative")
-            line += f" {_fmt(r[key])} {'' if rel is None else format(rel, '.0%'):>5}"
+            if key not in r:
+                continue
+            line += f" {_fmt(r[key])} {ratio_cells(r, key)}"
         if paper:
             line += "".join(f" {'-':>8}" if r.get(k) is None else f" {r[k]:>8}"
                             for k in ("paper_in_core", "paper_schedule_va"))
@@ -366,8 +396,9 @@ def _table(args):
         if res is not None and bud:
             line += f"   {format_size(res)} / {format_size(bud)}"
         print(line)
-    print("rel: window+virtual against the in-core speed at the in-core limit (the paper's "
-          "55 % at 1440 is 321/581)")
+    print("rel: relative_speed, window+virtual against the in-core speed at the in-core limit "
+          "(the paper's metric: its 55 % at 1440 is 321/581); same: same_batch_compute_ratio, "
+          "this batch's compute-only time over its iteration time")
     if args.choices:
         print("win+rc: window+virtual with recompute considered (lossless); rc+fp16: and float32 "
               "activations swapped as fp16 (lossy, opt-in)")
@@ -383,15 +414,9 @@ def _models(args):
 
 
 def _gpus(args):
-    from vmalloc.offload.gpus import GPUS
+    from vmalloc.offload.cli_profiles import print_gpus
 
-    for g in GPUS.values():
-        print(f"{g.name:<10} {format_size(g.memory_bytes)}, {g.peak_flops / 1e12:.0f} TFLOP/s "
-              f"x {g.compute_efficiency:.3f}, HBM {g.hbm_bandwidth / 1e9:.0f} GB/s, {g.link}: "
-              f"H2D {g.h2d_bandwidth / 1e9:.1f} / D2H {g.d2h_bandwidth / 1e9:.1f} / both "
-              f"{g.bidirectional_bandwidth / 1e9:.1f} GB/s, "
-              f"{g.function_overhead_seconds * 1e6:.0f} us/function")
-    return 0
+    return print_gpus()
 
 
 def _train(args):
@@ -448,5 +473,7 @@ def _train(args):
 def run(args):
     """Runs the parsed ``offload`` command; returns the exit status. Raises OffloadCliError
     (and VmallocError, OSError) for the caller to print as one line."""
+    from vmalloc.offload.cli_profiles import run_validate
+
     return {"simulate": _simulate, "table": _table, "train": _train, "models": _models,
-            "gpus": _gpus}[args.offload_command](args)
+            "gpus": _gpus, "validate": run_validate}[args.offload_command](args)

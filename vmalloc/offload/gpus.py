@@ -13,8 +13,9 @@ the batch: 1.085 ms per image plus a fixed 0.121 s per iteration. The per-image 
 ``compute_efficiency`` (the fraction of ``peak_flops`` a training kernel reaches, for the
 FLOPs of the shipped ResNet-50 sequence), the intercept fixes ``function_overhead_seconds``
 (the framework's cost per function: nnabla's per-function Python/C++ dispatch, far above a
-bare kernel launch). See :func:`calibrate` for the fit; the other GPUs reuse the V100's
-efficiency and overhead (an assumption, stated in the docs).
+bare kernel launch). See :func:`calibrate` for the fit. These entries are the raw models;
+:func:`vmalloc.offload.profiles.profiled_gpu` gives each GPU the constants its own published
+rows calibrate for a framework profile and a precision (what the CLI simulates with).
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ class GPU:
     link: str = ""
     precision: str = ""
     sources: Tuple[str, ...] = field(default_factory=tuple)
+    #: The framework profile (vmalloc.offload.profiles): "nnabla" (the per-function cost is on
+    #: the compute stream) or "pytorch-eager" (``host_seconds`` per launch on a host timeline).
+    profile: str = "nnabla"
+    #: Host cost per function, overlapped with the GPU (pytorch-eager); 0 for nnabla.
+    host_seconds: float = 0.0
 
     def compute_seconds(self, flops, nbytes):
         """The model's time for one function of ``flops`` touching ``nbytes``:
@@ -109,9 +115,12 @@ _V100 = GPU(
     bidirectional_bandwidth=45.9 * GB,   # NVLink: each direction has its own lanes
     function_overhead_seconds=V100_OVERHEAD,
     link="NVLink 2 to POWER9 (2 bricks)",
-    precision="mixed (tensor cores)",
+    precision="mixed-fp32-storage",
     sources=_V100_SOURCES,
 )
+# The raw A100 and H100 entries carry the V100's nnabla fit on their own peaks (profile nnabla,
+# precision mixed-fp32-storage, as labelled); what the CLI simulates with is
+# vmalloc.offload.profiles.profiled_gpu, calibrated on each GPU's own published rows.
 _A100_40 = GPU(
     name="a100-40gb",
     memory_bytes=40 * 2**30,
@@ -123,13 +132,14 @@ _A100_40 = GPU(
     bidirectional_bandwidth=25 * GB * 52.8 / 55.2,
     function_overhead_seconds=V100_OVERHEAD,
     link="PCIe 4 x16",
-    precision="mixed (tensor cores)",
+    precision="mixed-fp32-storage",
     sources=(
         "peak 312 TFLOP/s BF16/FP16 tensor, HBM2 1555 GB/s: NVIDIA A100 datasheet",
         "PCIe 4 x16 ~25 GB/s: nvbandwidth issue 42 (offload.md)",
         "both directions at once: the H800's ratio 52.8/55.2 applied (numbers.md); "
         "no A100 figure found",
-        "efficiency and overhead: the V100's (assumption)",
+        "efficiency and overhead: the V100's (uncalibrated; the CLI and validate use "
+        "vmalloc.offload.profiles.profiled_gpu, calibrated on the A100's own rows)",
     ),
 )
 
@@ -156,7 +166,7 @@ _P100 = GPU(
     bidirectional_bandwidth=40 * GB,    # NVLink: each direction has its own lanes
     function_overhead_seconds=P100_OVERHEAD,
     link="NVLink 1 to POWER8 (2 links)",
-    precision="FP32",
+    precision="fp32",
     sources=(
         "P100 SXM2 16 GB: FP32 10.6 TFLOP/s, HBM2 732 GB/s (NVIDIA datasheet, numbers.md)",
         "link: NVLink 1.0, 20 GB/s per direction per link, two links to the POWER8 CPU "
@@ -194,7 +204,7 @@ GPUS: Dict[str, GPU] = {
             "peak 312 TFLOP/s BF16/FP16 tensor, HBM2e 2039 GB/s: NVIDIA A100 datasheet",
             "PCIe 4 x16 ~25 GB/s: nvbandwidth issue 42 (offload.md)",
             "both directions at once: the H800's ratio 52.8/55.2 applied (numbers.md)",
-            "efficiency and overhead: the V100's (assumption)",
+            "efficiency and overhead: the V100's (uncalibrated; see profiled_gpu)",
         ),
     ),
     "h100-80gb": GPU(
@@ -208,13 +218,13 @@ GPUS: Dict[str, GPU] = {
         bidirectional_bandwidth=52.8 * GB,
         function_overhead_seconds=V100_OVERHEAD,
         link="PCIe 5 x16",
-        precision="mixed (tensor cores)",
+        precision="mixed-fp32-storage",
         sources=(
             "peak 989 TFLOP/s BF16/FP16 dense tensor, HBM3 3.35 TB/s: NVIDIA H100 datasheet "
             "(numbers.md)",
             "PCIe 5 x16 copy engines: H2D 55.3, D2H 55.1, both at once 52.8 GB/s each "
             "(nvbandwidth v0.2 on H800, numbers.md)",
-            "efficiency and overhead: the V100's (assumption)",
+            "efficiency and overhead: the V100's (uncalibrated; see profiled_gpu)",
         ),
     ),
 }

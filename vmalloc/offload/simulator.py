@@ -11,7 +11,9 @@ The model (``docs/simulating.rst`` has it in full):
 
 - **Compute stream.** Functions run in order. Function ``i`` takes its measured ``seconds`` if
   the sequence has them, else ``max(flops / (peak * efficiency), bytes touched / HBM
-  bandwidth) + overhead`` (:meth:`GPU.compute_seconds`).
+  bandwidth) + overhead`` (:meth:`GPU.compute_seconds`). The GPU carries a framework profile
+  and a precision (:mod:`vmalloc.offload.profiles`); under ``pytorch-eager`` the host also
+  spends ``host_seconds`` launching each function, so a kernel starts no earlier than its launch.
 - **Host.** The host issues each step's actions at its *issue time* ``h``: function ``i``'s
   actions are issued at the time function ``i - 1`` started (the host runs one function ahead of
   the device), or later if a ``wait_swap_out`` made the host wait for a copy.
@@ -98,6 +100,12 @@ class SimulationResult:
     speed_vs_compute_only: Optional[float] = None
     #: images/s of this batch's compute alone (memory unlimited; not an in-core speed).
     compute_only_images_per_second: Optional[float] = None
+    #: The framework profile and precision of the GPU model (vmalloc.offload.profiles).
+    profile: str = ""
+    precision: str = ""
+    #: The same figure as ``speed_vs_compute_only``, named for what it compares: this batch's
+    #: compute-only time over its iteration time. Printed beside ``relative_speed`` always.
+    same_batch_compute_ratio: Optional[float] = None
     #: Host time in virtual-address mapping calls (create, map, set_access, unmap, ...), priced
     #: per call by the device's cost model, and how many such calls the iteration made.
     va_seconds: float = 0.0
@@ -119,19 +127,20 @@ class SimulationResult:
 
     def summary(self) -> str:
         from vmalloc.sizes import format_size
-        head = (f"{self.model or 'sequence'} batch {self.batch} on {self.gpu}, "
-                f"{self.scheduler} + {self.allocator}")
+        head = (f"{self.model or 'sequence'} batch {self.batch} on {self.gpu} (profile "
+                f"{self.profile}, precision {self.precision}), {self.scheduler} + "
+                f"{self.allocator}")
         if self.out_of_memory:
             f = self.oom_function or {}
             return (f"{head}: OUT OF MEMORY at function {f.get('index')} ({f.get('name')}); "
                     f"peak reserved {format_size(self.peak_reserved_bytes)} of "
                     f"{format_size(self.capacity_bytes)}")
+        rel = (f"same_batch_compute_ratio {self.speed_vs_compute_only:.1%} of this batch's "
+               f"compute-only speed")
         if self.relative_speed is not None:
-            rel = (f"{self.relative_speed:.0%} of in-core at the in-core limit (batch "
-                   f"{self.in_core_limit_batch}, {self.in_core_limit_images_per_second:.1f} "
-                   f"images/s)")
-        else:
-            rel = f"{self.speed_vs_compute_only:.0%} of this batch's compute-only speed"
+            rel = (f"relative_speed {self.relative_speed:.1%} of in-core at the in-core limit "
+                   f"(batch {self.in_core_limit_batch}, "
+                   f"{self.in_core_limit_images_per_second:.1f} images/s), " + rel)
         if self.in_core_images_per_second is not None and self.in_core_limit_batch is not None:
             rel += f"; in core at this batch {self.in_core_images_per_second:.1f}"
         return (f"{head}, link {self.link}: {self.images_per_second:.1f} images/s "
@@ -165,7 +174,13 @@ def function_seconds(seq, gpu) -> List[float]:
 
 
 def in_core_seconds(seq, gpu) -> float:
-    """Compute-only iteration time: every function back to back, no swaps, memory unlimited."""
+    """Compute-only iteration time: every function back to back, no swaps, memory unlimited
+    (under ``pytorch-eager``, no kernel before its launch on the host timeline)."""
+    gpu = get_gpu(gpu)
+    if gpu.host_seconds:
+        from vmalloc.offload.profiles import host_chain_seconds
+
+        return host_chain_seconds(function_seconds(seq, gpu), gpu.host_seconds)
     return math.fsum(function_seconds(seq, gpu))
 
 
@@ -256,6 +271,13 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
     rc = schedule.recompute
     recompute_s = math.fsum(durations[k] for k in rc.origin) if rc is not None else 0.0
     in_core = compute - recompute_s
+    if gpu.host_seconds:   # pytorch-eager: the launches bound the compute-only time too
+        from vmalloc.offload.profiles import host_chain_seconds
+
+        origin = rc.origin if rc is not None else ()
+        compute = host_chain_seconds(durations, gpu.host_seconds)
+        in_core = host_chain_seconds([d for k, d in enumerate(durations) if k not in origin],
+                                     gpu.host_seconds)
     batch = seq.batch
     stats = alloc.stats()
     out_bytes = schedule.swap_out_bytes(seq)
@@ -289,7 +311,8 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
         compute_only_images_per_second=ips_compute,
         va_seconds=mem.va_seconds, va_calls=mem.va_calls,
         recomputed_functions=schedule.recomputed_functions(), recompute_seconds=recompute_s,
-        compression=schedule.compression if schedule.compressed else None)
+        compression=schedule.compression if schedule.compressed else None,
+        profile=gpu.profile, precision=gpu.precision)
     if runs_in_core:
         # the compute-only time is the in-core time when the batch fits with no swaps
         res.in_core_images_per_second = ips_compute
@@ -308,7 +331,7 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
         if limit_ips:
             res.relative_speed = res.images_per_second / limit_ips
     if t > 0:
-        res.speed_vs_compute_only = in_core / t
+        res.speed_vs_compute_only = res.same_batch_compute_ratio = in_core / t
     res.bound_ratio = t / bound if bound > 0 else 1.0
     res.serial_bound_ratio = t / serial if serial > 0 else 1.0
     if timeline:
@@ -328,6 +351,7 @@ def _run_iteration(seq, schedule, gpu, durations, mem, record, release_completed
     d2h = _Engine(gpu.d2h_bandwidth, gpu.bidirectional_bandwidth)
     var = seq.variables
     compressed = schedule.compressed
+    host = gpu.host_seconds
 
     def moved(v):
         n = var[v].nbytes
@@ -384,8 +408,9 @@ def _run_iteration(seq, schedule, gpu, durations, mem, record, release_completed
             in_end[v] = e
             if record:
                 h2d_iv.append((s, e, v))
+        h += host   # the launch of function i (pytorch-eager; 0 under nnabla)
         t1 = max(c, h)
-        stalls["swap_out"] += t1 - max(c, h0)
+        stalls["swap_out"] += t1 - max(c, h0 + host)
         start = t1
         for v in step.wait_swap_in:
             start = max(start, in_end.get(v, 0.0))

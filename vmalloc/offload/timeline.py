@@ -51,9 +51,10 @@ def plot_timeline(result, path, title=None, dpi=110):
         if len(title) > 120:
             title = (f"{result.model} batch {result.batch} on {result.gpu}: {result.scheduler} + "
                      f"{result.allocator}, {result.images_per_second:.0f} images/s "
-                     + (f"({result.relative_speed:.0%} of in-core at the in-core limit)"
-                        if result.relative_speed is not None else
-                        f"({result.speed_vs_compute_only:.0%} of compute-only)")
+                     + (f"(relative_speed {result.relative_speed:.0%}, "
+                        if result.relative_speed is not None else "(")
+                     + f"same_batch_compute_ratio {result.speed_vs_compute_only:.0%}; "
+                     f"{result.profile}, {result.precision})"
                      + f"; link {result.link}")
     top.set_title(title, fontsize="medium")
     figure.savefig(path)
