@@ -37,6 +37,7 @@ import weakref
 
 from vmalloc.errors import InvalidArgumentError
 from vmalloc.frameworks.torch_recompute import AtenRerun, rerunnable
+from vmalloc.frameworks.torch_steady import Steady
 from vmalloc.frameworks.torch_swap import CudaSwap, PoisonSwap
 from vmalloc.frameworks.torch_state import (Kinds, Readers, Storages, leaving, make_mode,
                                              predicted_bytes)
@@ -152,7 +153,11 @@ class OutOfCore:
         self._promote = []             # buffers found long-lived, made persistent next begin
         self._collective = set()       # ids of buffers a collective op touched
         self._said = set()             # warnings given (each once)
-        self._counts = dict(over_budget_ops=0, promoted_storages=0)
+        self._counts = dict(over_budget_ops=0, promoted_storages=0, dispatched_ops=0,
+                            meta_predictions=0)
+        self._resized = 0              # storages resized outside the dispatcher (FSDP2)
+        self._steady = Steady(self)    # no per-op Python once nothing moves (torch_steady)
+        self._marks = None             # (scheduled, diverged) iterations at begin
         self._peak = None
 
     # --- user API -------------------------------------------------------------------------
@@ -183,11 +188,13 @@ class OutOfCore:
                     and self._end_iteration(failed=exc_type is not None), exc=exc)
         finally:
             _active.block = None
+            self._steady.close()       # (its mode already popped when steady)
             self._readers.remove()
             self._hook.remove()
             if self._pre_hook is not None:
                 self._pre_hook.remove()
-            self._mode.__exit__(exc_type, exc, tb)
+            if self._mode is not None:
+                self._mode.__exit__(exc_type, exc, tb)
             self._mode = None
             # The peak is the training's: bringing everything back on leaving is not counted.
             self._peak = self.runtime.stats()["peak_device_bytes"]
@@ -202,12 +209,15 @@ class OutOfCore:
         class _Step:
             def __enter__(self):
                 driver._manual = True
-                driver._begin_iteration()
+                if not driver._steady.active:
+                    driver._begin_iteration()
                 return driver
 
             def __exit__(self, exc_type, exc, tb):
                 try:
-                    if driver.runtime.in_iteration:
+                    if driver._steady.active:
+                        driver._steady.boundary(forced=True)
+                    elif driver.runtime.in_iteration:
                         driver._end_iteration(failed=exc_type is not None)
                 finally:
                     driver._manual = False
@@ -216,11 +226,20 @@ class OutOfCore:
 
     def stats(self) -> dict:
         """The runtime's statistics, plus ``over_budget_ops`` (ops whose own storages did
-        not fit the budget) and ``promoted_storages`` (storages found long-lived). After the
+        not fit the budget) and ``promoted_storages`` (storages found long-lived),
+        ``dispatched_ops`` and ``meta_predictions`` (aten ops the dispatch mode saw, and
+        those predicted on the meta device), ``steady_iterations`` (whole iterations run
+        without the mode: counted in ``iterations`` and ``scheduled_iterations`` too, and in
+        ``diverged_iterations`` when found diverged at their end) and ``steady_exits``
+        (divergences found in the steady state). After the
         block every value stays as it was (``peak_device_bytes``: the peak inside the block;
         bringing everything back on leaving is not counted)."""
         out = self.runtime.stats()
         out.update(self._counts)
+        out.update(self._steady.counts)
+        out["iterations"] += self._steady.counts["steady_iterations"]
+        out["scheduled_iterations"] += self._steady.counts["steady_iterations"]
+        out["diverged_iterations"] += self._steady.late
         if self._peak is not None:
             out["peak_device_bytes"] = self._peak
         return out
@@ -268,12 +287,18 @@ class OutOfCore:
             self._counts["promoted_storages"] += len(promote)
             rt.invalidate(f"{len(promote)} storage(s) outlive their iteration: persistent now")
         self._iteration += 1
+        self._marks = (rt.stats()["scheduled_iterations"], rt.stats()["diverged_iterations"])
+        self._steady.begin_probation()
         rt.begin_iteration()
 
     def _end_iteration(self, failed=False):
         self._storages.collect()
         before = self.runtime.stats().get("schedule_failures", 0)
         self.runtime.end_iteration(failed=failed)
+        stats = self.runtime.stats()
+        followed = not failed and self._marks == (stats["scheduled_iterations"] - 1,
+                                                  stats["diverged_iterations"])
+        self._steady.ended(followed)
         if not self._runtime_says and self.runtime.stats().get("schedule_failures", 0) > before:
             self._unschedulable()
 
@@ -310,12 +335,21 @@ class OutOfCore:
             self._kinds.after_step()
         new = optimizer not in self._optimizers
         self._optimizers.add(optimizer)
+        if self._steady.active:
+            if new:
+                self._steady.leave("a new optimizer stepped: its state is persistent")
+            elif not self._manual:
+                self._steady.boundary()
+            return
         if self.runtime.in_iteration and not self._manual:
             self._end_iteration()
         if new:
             # First sight of this optimizer: its parameters and state were recorded as
             # transient, so the record is wrong: record again next iteration.
-            self.runtime.invalidate("a new optimizer stepped: its state is persistent")
+            if self._steady.active:     # (a second optimizer after the probation's end)
+                self._steady.leave("a new optimizer stepped: its state is persistent")
+            else:
+                self.runtime.invalidate("a new optimizer stepped: its state is persistent")
 
     def _ensure_iteration(self):
         if not self.runtime.in_iteration and not self._manual:
@@ -334,6 +368,7 @@ class OutOfCore:
 
     # --- ops ------------------------------------------------------------------------------
     def _dispatch(self, func, args, kwargs):
+        self._counts["dispatched_ops"] += 1
         if not aten_ops.is_function(func):
             return func(*args, **kwargs)
         rt = self.runtime

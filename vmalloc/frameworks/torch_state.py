@@ -205,6 +205,7 @@ def predicted_bytes(driver, func, args, kwargs):
             return torch.device("meta")
         return x
 
+    driver._counts["meta_predictions"] += 1
     try:
         with _disable_current_modes():
             margs, mkwargs = tree_map(to_meta, (tuple(args), dict(kwargs)))
@@ -265,6 +266,7 @@ class Readers:
             # size changes is another buffer (its old one leaves first). Another thread's
             # storages are not the driver's (its dispatch mode is this thread's).
             if threading.get_ident() == thread and not driver.runtime.in_function:
+                driver._resized += 1      # (no steady state: torch_steady)
                 driver._storages.collect()
                 driver._storages.release(storage, int(size))
             return original_resize(storage, size, *args, **kwargs)
