@@ -37,7 +37,7 @@ import weakref
 
 from vmalloc.errors import InvalidArgumentError
 from vmalloc.frameworks.torch_recompute import AtenRerun, rerunnable
-from vmalloc.frameworks.torch_steady import Steady
+from vmalloc.frameworks.torch_steady import ManualStep, Steady
 from vmalloc.frameworks.torch_swap import CudaSwap, PoisonSwap
 from vmalloc.frameworks.torch_state import (Kinds, Readers, Storages, leaving, make_mode,
                                              predicted_bytes)
@@ -157,7 +157,6 @@ class OutOfCore:
                             meta_predictions=0)
         self._resized = 0              # storages resized outside the dispatcher (FSDP2)
         self._steady = Steady(self)    # no per-op Python once nothing moves (torch_steady)
-        self._marks = None             # (scheduled, diverged) iterations at begin
         self._peak = None
 
     # --- user API -------------------------------------------------------------------------
@@ -204,35 +203,13 @@ class OutOfCore:
     def step(self):
         """A context manager marking one iteration explicitly (for loops without an
         optimizer ``step()``)."""
-        driver = self
-
-        class _Step:
-            def __enter__(self):
-                driver._manual = True
-                if not driver._steady.active:
-                    driver._begin_iteration()
-                return driver
-
-            def __exit__(self, exc_type, exc, tb):
-                try:
-                    if driver._steady.active:
-                        driver._steady.boundary(forced=True)
-                    elif driver.runtime.in_iteration:
-                        driver._end_iteration(failed=exc_type is not None)
-                finally:
-                    driver._manual = False
-                return False
-        return _Step()
+        return ManualStep(self)
 
     def stats(self) -> dict:
         """The runtime's statistics, plus ``over_budget_ops`` (ops whose own storages did
-        not fit the budget) and ``promoted_storages`` (storages found long-lived),
-        ``dispatched_ops`` and ``meta_predictions`` (aten ops the dispatch mode saw, and
-        those predicted on the meta device), ``steady_iterations`` (whole iterations run
-        without the mode: counted in ``iterations`` and ``scheduled_iterations`` too, and in
-        ``diverged_iterations`` when found diverged at their end) and ``steady_exits``
-        (divergences found in the steady state). After the
-        block every value stays as it was (``peak_device_bytes``: the peak inside the block;
+        not fit the budget), ``promoted_storages`` (storages found long-lived), and the
+        steady state's counts (:mod:`~vmalloc.frameworks.torch_steady`). After the block
+        every value stays as it was (``peak_device_bytes``: the peak inside the block;
         bringing everything back on leaving is not counted)."""
         out = self.runtime.stats()
         out.update(self._counts)
@@ -287,7 +264,6 @@ class OutOfCore:
             self._counts["promoted_storages"] += len(promote)
             rt.invalidate(f"{len(promote)} storage(s) outlive their iteration: persistent now")
         self._iteration += 1
-        self._marks = (rt.stats()["scheduled_iterations"], rt.stats()["diverged_iterations"])
         self._steady.begin_probation()
         rt.begin_iteration()
 
@@ -295,10 +271,7 @@ class OutOfCore:
         self._storages.collect()
         before = self.runtime.stats().get("schedule_failures", 0)
         self.runtime.end_iteration(failed=failed)
-        stats = self.runtime.stats()
-        followed = not failed and self._marks == (stats["scheduled_iterations"] - 1,
-                                                  stats["diverged_iterations"])
-        self._steady.ended(followed)
+        self._steady.ended(failed)
         if not self._runtime_says and self.runtime.stats().get("schedule_failures", 0) > before:
             self._unschedulable()
 

@@ -28,6 +28,13 @@ from __future__ import annotations
 
 import sys
 
+#: The driver's ``stats()`` adds: ``steady_iterations`` (whole iterations run without the
+#: mode; counted in ``iterations`` and ``scheduled_iterations`` too, and in
+#: ``diverged_iterations`` when found diverged at their end), ``steady_exits`` (divergences
+#: found in the steady state), ``dispatched_ops`` and ``meta_predictions`` (aten ops the
+#: dispatch mode saw, and those predicted on the meta device).
+COUNTS = ("steady_iterations", "steady_exits", "dispatched_ops", "meta_predictions")
+
 #: Steady exits after which the driver stops trying (a program that never repeats).
 MAX_EXITS = 3
 
@@ -60,6 +67,7 @@ class Steady:
         self.handle = None
         self.exits = 0
         self.late = 0             # steady iterations found diverged at their end
+        self.marks = None         # (scheduled, diverged) iterations when one began
         self.counts = dict(steady_iterations=0, steady_exits=0)
 
     # --- eligibility ----------------------------------------------------------------------
@@ -68,20 +76,27 @@ class Steady:
         return (self.exits < MAX_EXITS and d._kinds is None and not d._collective
                 and not d._resized and "compile" not in d._said)
 
+    def _marks(self):
+        stats = self.driver.runtime.stats()
+        return stats["scheduled_iterations"], stats["diverged_iterations"]
+
     def begin_probation(self):
-        """At an iteration's start: an armed probation whose schedule went away (a new
-        optimizer, a promoted storage) is called off."""
+        """At an iteration's start (before the runtime's): an armed probation whose schedule
+        went away (a new optimizer, a promoted storage) is called off."""
+        self.marks = self._marks()
         if self.probing and not quiet(self.driver):
             self.probing = False
             self._uninstall()
 
-    def ended(self, followed: bool):
-        """At the end of an iteration (``followed``: it followed the schedule throughout,
-        without divergence): the steady state begins if it was a quiet probation; else the
-        next iteration is armed as the probation if the schedule is quiet. The module calls
-        are noted from this boundary on (the next iteration begins at its first op, after
-        the first module call)."""
+    def ended(self, failed: bool):
+        """At the end of an iteration (after the runtime's; ``failed``: by an exception):
+        a quiet probation that followed the schedule throughout, without divergence, begins
+        the steady state; else the next iteration is armed as the probation if the schedule
+        is quiet. The module calls are noted from this boundary on (the next iteration
+        begins at its first op, after the first module call)."""
         d = self.driver
+        scheduled, diverged = self._marks()
+        followed = not failed and self.marks == (scheduled - 1, diverged)
         if self.probing and followed and self.calls and self.eligible() and quiet(d) \
                 and self._mode_on_top():
             d._mode.__exit__(None, None, None)
@@ -177,3 +192,29 @@ class Steady:
         was = self.active
         self.active = self.probing = False
         return was
+
+
+class ManualStep:
+    """``OutOfCore.step()``: one iteration marked explicitly (for loops without an optimizer
+    ``step()``); in the steady state its end is the iteration's boundary."""
+
+    def __init__(self, driver):
+        self.driver = driver
+
+    def __enter__(self):
+        driver = self.driver
+        driver._manual = True
+        if not driver._steady.active:
+            driver._begin_iteration()
+        return driver
+
+    def __exit__(self, exc_type, exc, tb):
+        driver = self.driver
+        try:
+            if driver._steady.active:
+                driver._steady.boundary(forced=True)
+            elif driver.runtime.in_iteration:
+                driver._end_iteration(failed=exc_type is not None)
+        finally:
+            driver._manual = False
+        return False
