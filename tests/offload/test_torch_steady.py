@@ -120,15 +120,25 @@ def test_a_shorter_iteration_is_caught_at_the_boundary():
 
 
 def test_under_budget_pressure_every_step_stays_on_the_dispatch_path():
-    data = batches([64] * 5)
+    """...and followed iterations predict nothing on the meta device: the schedule made
+    their room (a step that departs from the record is predicted from its departure)."""
+    data = batches([64] * 4 + [96] + [64] * 2)
     ref, ref_w, _, _ = train(data)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        losses, w, ooc, after = train(data, budget="1MiB")
+        losses, w, ooc, after = train(data, budget="2MiB")
     assert losses == ref and same(w, ref_w)
     stats = ooc.stats()
-    assert stats["swapped_out_bytes"] > 0
+    assert stats["swapped_out_bytes"] > 0 and stats["scheduled_swap_outs"] > 0
     assert stats["steady_iterations"] == 0 and 0 not in ops_per_step(after)
+    predictions = ops_per_step(after, "meta_predictions")
+    # 0 and 1 record; 2, 3 follow (only their first op, which begins the iteration, is
+    # predicted); 4 departs (96 rows) and 5 records; 6 follows
+    assert min(predictions[:2]) > 1 and predictions[2:4] == [1, 1]
+    assert predictions[4] > 1 and predictions[5] > 1 and predictions[6] == 1
+    assert stats["peak_device_bytes"] <= stats["budget_bytes"] == 2 << 20
+    assert stats["over_budget"] == 0 and stats["over_budget_ops"] == 0
+    assert stats["diverged_iterations"] == 1
 
 
 def test_a_new_optimizer_in_the_steady_state_records_anew():

@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import sys
 import threading
-import warnings
 import weakref
 
 from vmalloc.errors import InvalidArgumentError
+from vmalloc.frameworks import torch_said as said
 from vmalloc.frameworks.torch_recompute import AtenRerun, rerunnable
 from vmalloc.frameworks.torch_steady import ManualStep, Steady
 from vmalloc.frameworks.torch_swap import CudaSwap, PoisonSwap
@@ -275,34 +275,6 @@ class OutOfCore:
         if not self._runtime_says and self.runtime.stats().get("schedule_failures", 0) > before:
             self._unschedulable()
 
-    def _unschedulable(self):
-        """The runtime of this tree does not say that no schedule fits: say it (once)."""
-        from vmalloc.offload.schedule import ScheduleError
-        error = getattr(self.runtime, "last_schedule_error", None)
-        message = (f"no schedule fits the budget of {self.runtime.budget} bytes ({error}); "
-                   "iterations run on demand and may exceed the budget")
-        if self.strict:
-            raise ScheduleError(message)
-        self._say("unschedulable", message)
-
-    def _say(self, what, message, budget=True):
-        """Says a broken promise once per block: about the budget through the runtime (one
-        BudgetWarning per runtime, whoever finds the broken promise first), else a
-        UserWarning; either points at the program's line."""
-        import vmalloc.offload.runtime as runtime
-        if what in self._said:
-            return
-        self._said.add(what)
-        if budget and hasattr(self.runtime, "say_budget"):
-            self.runtime.say_budget(message)
-            return
-        category = getattr(runtime, "BudgetWarning", UserWarning) if budget else UserWarning
-        warn = getattr(runtime, "warn_user", None)
-        if warn is not None:
-            warn(message, category)
-        else:
-            warnings.warn(message, category, stacklevel=4)
-
     def _after_optimizer_step(self, optimizer, args, kwargs):
         if self._kinds is not None:
             self._kinds.after_step()
@@ -339,6 +311,8 @@ class OutOfCore:
             return False
         return True
 
+    _unschedulable, _say, _over_budget = said.unschedulable, said.say, said.over_budget
+
     # --- ops ------------------------------------------------------------------------------
     def _dispatch(self, func, args, kwargs):
         self._counts["dispatched_ops"] += 1
@@ -351,7 +325,9 @@ class OutOfCore:
             self._readers.compiled_region()
         accessed = [(t, r, w) for t, r, w in aten_ops.accesses(func, args, kwargs)
                     if self._tracked(t)]
-        fresh = predicted_bytes(self, func, args, kwargs)   # None: unknown
+        # Following the schedule, its plan made the room: no prediction (said if it was short).
+        planned = rt.in_iteration and rt.following and not self._unpredicted.sizes
+        fresh = None if planned else predicted_bytes(self, func, args, kwargs)  # None: unknown
         predicted = fresh
         if rt.budget is not None and self._unpredicted.sizes:
             learned = self._unpredicted.measured(func, args, kwargs)   # None: never short
@@ -364,7 +340,7 @@ class OutOfCore:
                 return out
             self._ensure_iteration()
             return self._run(func, (), (), lambda: out, 0, outs=outs,
-                             measure=(args, kwargs, predicted, fresh))
+                             measure=(args, kwargs, predicted, fresh), planned=planned)
         self._ensure_iteration()
         unknown = sum({s.data_ptr(): s.nbytes() for s in
                        (t.untyped_storage() for t, _, _ in accessed)
@@ -387,10 +363,11 @@ class OutOfCore:
             if written and buf not in writes:
                 writes.append(buf)
         return self._run(func, reads, writes, lambda: func(*args, **kwargs), fresh or 0,
-                         rerun_args=(args, kwargs), measure=(args, kwargs, predicted, fresh))
+                         rerun_args=(args, kwargs), measure=(args, kwargs, predicted, fresh),
+                         planned=planned)
 
     def _run(self, func, reads, writes, call, fresh, outs=None, rerun_args=None,
-             measure=None):
+             measure=None, planned=False):
         """One op as one function of the runtime (``measure``: its arguments, the bytes of
         outputs predicted on the meta device (None: unknown) and made room for: what it
         created is measured after it ran, :class:`Unpredicted`)."""
@@ -400,6 +377,10 @@ class OutOfCore:
         try:
             rt.enter_function(reads, writes, name=name)
             entered = True
+            if planned and not rt.following and rerun_args is not None:
+                # (departed from the record at this entry: predicted after all)
+                fresh = predicted_bytes(self, func, *rerun_args) or 0
+                measure = measure[:2] + (fresh, fresh)
             if fresh and not self._make_room(fresh):
                 self._over_budget(name, fresh)
             out = call()
@@ -416,7 +397,8 @@ class OutOfCore:
                     rerun = AtenRerun.make(func, *rerun_args, outs[0], self._tracked)
                     if rerun is not None:
                         rt.set_rerun(rerun)
-            if measure is not None and rt.budget is not None:
+            if measure is not None and rt.budget is not None and \
+                    not (planned and rt.following):
                 self._unpredicted.ran(func, *measure, sum(b.nbytes for b in new), name)
         except BaseException:
             if entered and rt.in_function:
@@ -426,25 +408,6 @@ class OutOfCore:
         rt.exit_function()
         self._storages.collect()
         return out
-
-    def _over_budget(self, name, fresh, unseen=False):
-        """The op's own storages do not fit the budget: said once; raised under strict.
-        ``unseen``: storages it reads that were allocated outside the dispatcher (before
-        the block, or grown by ``resize_``) do not fit."""
-        from vmalloc.errors import OutOfMemoryError
-        self._counts["over_budget_ops"] += 1
-        running = getattr(self.runtime, "running_function", None)
-        what = (running() if running is not None else None) or name
-        message = (f"{what} needs {fresh} bytes for its outputs besides its inputs, more than "
-                   f"the budget of {self.runtime.budget} bytes leaves")
-        if unseen:
-            message = (f"{what} uses {fresh} bytes of storages allocated outside the "
-                       "dispatcher (before the block, or by resize_), more than the budget of "
-                       f"{self.runtime.budget} bytes leaves")
-        if self.strict:
-            raise OutOfMemoryError(message + ": refused (strict=True); the op did not run",
-                                   requested_bytes=fresh)
-        self._say("over_budget", message + ": it runs over the budget")
 
     def _collective_done(self, out, reads, writes):
         """A collective's Work runs on the backend's own thread: its tensors must stay where
