@@ -13,6 +13,7 @@ them; so, under a budget, the driver first works out on the meta device how many
 tracked outputs the op will create and asks the runtime to make room for them
 (``Runtime.make_room``) before running it. On-demand iterations (recording, or a budget no
 schedule fits) therefore stay within the budget too, as long as one op's own storages fit.
+With nothing to move, iterations leave the dispatcher altogether (:mod:`vmalloc.frameworks.torch_steady`).
 
 Swapping itself is a *backend* (:mod:`vmalloc.frameworks.torch_swap`): ``"cuda"`` (the
 SwapManager over the vmalloc allocator PyTorch allocates from; only storages that own whole
@@ -325,9 +326,7 @@ class OutOfCore:
             self._readers.compiled_region()
         accessed = [(t, r, w) for t, r, w in aten_ops.accesses(func, args, kwargs)
                     if self._tracked(t)]
-        # Following the schedule, its plan made the room: no prediction (said if it was short).
-        planned = rt.in_iteration and rt.following and not self._unpredicted.sizes
-        fresh = None if planned else predicted_bytes(self, func, args, kwargs)  # None: unknown
+        fresh = predicted_bytes(self, func, args, kwargs)   # None: unknown
         predicted = fresh
         if rt.budget is not None and self._unpredicted.sizes:
             learned = self._unpredicted.measured(func, args, kwargs)   # None: never short
@@ -340,7 +339,7 @@ class OutOfCore:
                 return out
             self._ensure_iteration()
             return self._run(func, (), (), lambda: out, 0, outs=outs,
-                             measure=(args, kwargs, predicted, fresh), planned=planned)
+                             measure=(args, kwargs, predicted, fresh))
         self._ensure_iteration()
         unknown = sum({s.data_ptr(): s.nbytes() for s in
                        (t.untyped_storage() for t, _, _ in accessed)
@@ -363,11 +362,10 @@ class OutOfCore:
             if written and buf not in writes:
                 writes.append(buf)
         return self._run(func, reads, writes, lambda: func(*args, **kwargs), fresh or 0,
-                         rerun_args=(args, kwargs), measure=(args, kwargs, predicted, fresh),
-                         planned=planned)
+                         rerun_args=(args, kwargs), measure=(args, kwargs, predicted, fresh))
 
     def _run(self, func, reads, writes, call, fresh, outs=None, rerun_args=None,
-             measure=None, planned=False):
+             measure=None):
         """One op as one function of the runtime (``measure``: its arguments, the bytes of
         outputs predicted on the meta device (None: unknown) and made room for: what it
         created is measured after it ran, :class:`Unpredicted`)."""
@@ -377,10 +375,6 @@ class OutOfCore:
         try:
             rt.enter_function(reads, writes, name=name)
             entered = True
-            if planned and not rt.following and rerun_args is not None:
-                # (departed from the record at this entry: predicted after all)
-                fresh = predicted_bytes(self, func, *rerun_args) or 0
-                measure = measure[:2] + (fresh, fresh)
             if fresh and not self._make_room(fresh):
                 self._over_budget(name, fresh)
             out = call()
@@ -397,8 +391,7 @@ class OutOfCore:
                     rerun = AtenRerun.make(func, *rerun_args, outs[0], self._tracked)
                     if rerun is not None:
                         rt.set_rerun(rerun)
-            if measure is not None and rt.budget is not None and \
-                    not (planned and rt.following):
+            if measure is not None and rt.budget is not None:
                 self._unpredicted.ran(func, *measure, sum(b.nbytes for b in new), name)
         except BaseException:
             if entered and rt.in_function:

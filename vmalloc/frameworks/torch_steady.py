@@ -27,6 +27,7 @@ top of stay on the dispatch path (see docs/frameworks.rst, "The steady state").
 from __future__ import annotations
 
 import sys
+import threading
 
 #: The driver's ``stats()`` adds: ``steady_iterations`` (whole iterations run without the
 #: mode; counted in ``iterations`` and ``scheduled_iterations`` too, and in
@@ -35,8 +36,10 @@ import sys
 #: dispatch mode saw, and those predicted on the meta device).
 COUNTS = ("steady_iterations", "steady_exits", "dispatched_ops", "meta_predictions")
 
-#: Steady exits after which the driver stops trying (a program that never repeats).
+#: Steady exits in a row after which the driver stops trying (a program that never repeats);
+#: a steady stretch of STREAK iterations or more starts the count anew (a periodic evaluation).
 MAX_EXITS = 3
+STREAK = 8
 
 
 def quiet(driver) -> bool:
@@ -66,6 +69,8 @@ class Steady:
         self.running = False      # a steady iteration has begun (a module was called)
         self.handle = None
         self.exits = 0
+        self.streak = 0           # steady iterations since the steady state began
+        self.thread = threading.get_ident()   # (the driver's mode is this thread's)
         self.late = 0             # steady iterations found diverged at their end
         self.marks = None         # (scheduled, diverged) iterations when one began
         self.counts = dict(steady_iterations=0, steady_exits=0)
@@ -103,6 +108,7 @@ class Steady:
             d._mode = None
             self.probing = False
             self.active = True
+            self.streak = 0
             self.n = 0
             self.running = False
             return
@@ -129,6 +135,8 @@ class Steady:
             self.handle = None
 
     def _pre_hook(self, module, args):
+        if threading.get_ident() != self.thread:
+            return None       # another thread's modules: not the driver's iteration
         torch = sys.modules["torch"]
         Tensor = torch.Tensor
         key = (id(module), tuple([(a.shape, a.dtype) for a in args if isinstance(a, Tensor)]))
@@ -156,6 +164,7 @@ class Steady:
             return     # (a second optimizer's step in the same iteration)
         self.driver._storages.collect()
         self.counts["steady_iterations"] += 1
+        self.streak += 1
         if not self.eligible():
             self.late += 1
             self.leave("steady state: a storage was resized outside the dispatcher")
@@ -175,6 +184,8 @@ class Steady:
             return
         d = self.driver
         self.active = False
+        if self.streak >= STREAK:
+            self.exits = 0
         self.exits += 1
         self.counts["steady_exits"] += 1
         d._mode = make_mode(d)

@@ -9,12 +9,6 @@ from __future__ import annotations
 class Divergence:
     """The divergence half of :class:`~vmalloc.offload.Runtime` (a mixin)."""
 
-    @property
-    def following(self) -> bool:
-        """Whether the running iteration follows the schedule (it has not departed from the
-        record so far): the schedule makes the room its functions need."""
-        return self._following
-
     def invalidate(self, reason: str = "invalidated by the driver") -> None:
         """Drops the record and the schedule: the rest of this iteration (if one is running)
         runs on demand and the next iteration is recorded anew. For a driver that learns the
