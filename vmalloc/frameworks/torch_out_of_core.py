@@ -40,8 +40,8 @@ from vmalloc.frameworks import torch_said as said
 from vmalloc.frameworks.torch_recompute import AtenRerun, rerunnable
 from vmalloc.frameworks.torch_steady import ManualStep, Steady
 from vmalloc.frameworks.torch_swap import CudaSwap, PoisonSwap
-from vmalloc.frameworks.torch_state import (Kinds, Readers, Storages, leaving, make_mode,
-                                             predicted_bytes)
+from vmalloc.frameworks.torch_predict import predicted_bytes
+from vmalloc.frameworks.torch_state import Kinds, Readers, Storages, leaving, make_mode
 from vmalloc.frameworks.torch_subclass import is_wrapper, plain_tensors
 from vmalloc.frameworks.torch_unpredicted import Unpredicted
 from vmalloc.offload import aten_ops
@@ -157,6 +157,7 @@ class OutOfCore:
         self._counts = dict(over_budget_ops=0, promoted_storages=0, dispatched_ops=0,
                             meta_predictions=0)
         self._resized = 0              # storages resized outside the dispatcher (FSDP2)
+        self._predictions = {}         # op and argument key -> predicted bytes (torch_predict)
         self._steady = Steady(self)    # no per-op Python once nothing moves (torch_steady)
         self._peak = None
 

@@ -1,6 +1,5 @@
 """What the PyTorch out-of-core driver keeps beside the Runtime: which runtime buffer holds
-each storage, the dispatch mode, the prediction of an op's output bytes (allocation pressure),
-and what bypasses the dispatcher: readers (``.numpy()``, ``.tolist()``, ``torch.save``) and
+each storage, the dispatch mode, and what bypasses the dispatcher: readers (``.numpy()``, ``.tolist()``, ``torch.save``) and
 ``UntypedStorage.resize_`` (FSDP2)."""
 
 from __future__ import annotations
@@ -180,45 +179,6 @@ def make_mode(driver):
 
 
 _mode_class = None
-
-
-def predicted_bytes(driver, func, args, kwargs):
-    """Bytes of the tracked storages the op will create, worked out on the meta device before
-    it runs (0: none; None: unknown, or no budget to keep)."""
-    if driver.runtime.budget is None or func.namespace != "aten":
-        return None
-    if not any(str(r.type).startswith("Tensor") for r in func._schema.returns
-               if r.alias_info is None):
-        return 0
-    import torch
-    from torch.utils._python_dispatch import _disable_current_modes
-    from torch.utils._pytree import tree_flatten, tree_map
-
-    device = driver.device_type
-
-    def to_meta(x):
-        if isinstance(x, torch.Tensor):
-            if x.device.type != device:
-                return x
-            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-        if isinstance(x, torch.device) and x.type == device:
-            return torch.device("meta")
-        return x
-
-    driver._counts["meta_predictions"] += 1
-    try:
-        with _disable_current_modes():
-            margs, mkwargs = tree_map(to_meta, (tuple(args), dict(kwargs)))
-            out = func(*margs, **mkwargs)
-    except Exception:   # no meta kernel, or it mixes devices: learn the sizes after
-        return None
-    total = 0
-    for t in tree_flatten(out)[0]:
-        if isinstance(t, torch.Tensor) and t.device.type == "meta":
-            n = t.untyped_storage().nbytes()
-            if n >= driver.min_bytes:
-                total += n
-    return total
 
 
 class Readers:
