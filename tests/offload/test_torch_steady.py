@@ -216,3 +216,23 @@ def test_a_long_steady_stretch_starts_the_exit_count_anew():
     stats = ooc.stats()
     assert stats["steady_exits"] == 4
     assert ops_per_step(after)[-1] == 0            # steady at the end
+
+
+def test_a_module_made_anew_in_every_forward_keeps_the_steady_state():
+    # Hugging Face's BERT makes its CrossEntropyLoss module in every forward: the calls are
+    # compared by the module's class, not its object (before: an exit at every such step)
+    data = batches([64] * 6)
+    model, opt = make()
+    ref_model, ref_opt = make()
+
+    def one(model, opt, x, y):
+        loss = torch.nn.CrossEntropyLoss()(model(x), y)     # a new module object each time
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+    ref = [one(ref_model, ref_opt, x, y) for x, y in data]
+    with vtorch.out_of_core(backend="poison", device="cpu") as ooc:
+        losses = [one(model, opt, x, y) for x, y in data]
+    assert losses == ref and same(model.parameters(), ref_model.parameters())
+    assert ooc.stats()["steady_exits"] == 0 and ooc.stats()["steady_iterations"] == 3

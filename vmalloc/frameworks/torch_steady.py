@@ -9,8 +9,9 @@ confirms it (the *probation* iteration: followed under the mode, without diverge
 is popped and the driver's only Python work is
 
 - a global module forward pre-hook (one call per ``nn.Module`` call, not per op) that
-  compares each call, in order, with the probation iteration's: the module and the shapes
-  and dtypes of its tensor arguments;
+  compares each call, in order, with the probation iteration's: the module's class (not the
+  object: BERT makes its loss module anew in every forward) and the shapes and dtypes of its
+  tensor arguments;
 - the optimizer step hook the driver has anyway (the iteration's boundary): there the
   number of calls is compared too.
 
@@ -64,7 +65,7 @@ class Steady:
         self.driver = driver
         self.active = False       # the mode is popped: iterations run plain
         self.probing = False      # the probation iteration is being noted
-        self.calls = []           # the probation iteration's (id(module), shapes)
+        self.calls = []           # the probation iteration's (type(module), shapes)
         self.n = 0                # module calls seen in this steady iteration
         self.running = False      # a steady iteration has begun (a module was called)
         self.handle = None
@@ -139,7 +140,7 @@ class Steady:
             return None       # another thread's modules: not the driver's iteration
         torch = sys.modules["torch"]
         Tensor = torch.Tensor
-        key = (id(module), tuple([(a.shape, a.dtype) for a in args if isinstance(a, Tensor)]))
+        key = (type(module), tuple([(a.shape, a.dtype) for a in args if isinstance(a, Tensor)]))
         if self.probing:
             self.calls.append(key)
             return None
