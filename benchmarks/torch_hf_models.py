@@ -7,8 +7,11 @@ with the microseconds added per aten op, and whether the losses are bit-identica
 training (every run starts from the same seed and data). Skips when ``transformers`` is missing.
 
     PYTHONPATH=build/NAME/python python -P benchmarks/torch_hf_models.py [--steps N]
+        [--threads T]
 
-Report ``python -m timeit pass`` beside the figures: this machine's speed varies about 4x.
+As in ``torch_step_overhead.py``: one intra-op thread by default, each row the median of its
+per-step times beside a plain run of its own (the shared machine's load changes within
+seconds). Report ``python -m timeit pass`` beside the figures.
 """
 
 import argparse
@@ -72,17 +75,21 @@ def aten_ops_per_step(build):
 
 
 def timed(build, steps, **kw):
-    """Seconds per steady-state step, the losses of every step, the driver's stats."""
+    """The median seconds per step after the warm-up, the losses of every step, the
+    driver's stats."""
+    import statistics
     model, opt, ids = setup(build)
     losses = []
 
     def run():
         for _ in range(WARM):
             losses.append(step(model, opt, ids))
-        start = time.perf_counter()
+        times = []
         for _ in range(steps):
+            start = time.perf_counter()
             losses.append(step(model, opt, ids))
-        return (time.perf_counter() - start) / steps
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
     if not kw:
         return run(), losses, None
     with warnings.catch_warnings():
@@ -95,31 +102,32 @@ def timed(build, steps, **kw):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     try:
         import transformers
     except ImportError:
         print("transformers is not installed: skipped")
         return 0
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, "
-          f"{args.steps} steps after {WARM} warm-up")
+          f"median of {args.steps} steps after {WARM} warm-up, {args.threads} thread(s)")
     for name, build in (("GPT-2", gpt2), ("BERT", bert)):
         ops = aten_ops_per_step(build)
         plain, ref, _ = timed(build, args.steps)
         none, losses_none, stats = timed(build, args.steps, budget=None)
         peak = stats["peak_device_bytes"]
+        plain3 = timed(build, args.steps)[0]
         third, losses_third, stats3 = timed(build, args.steps, budget=max(peak // 3, 1))
         print(f"{name}: {ops} aten ops per step, in-core peak of tracked storages {peak} B")
-        for label, t, losses, st in (("plain PyTorch", plain, ref, None),
-                                     ("out_of_core, budget=None", none, losses_none, stats),
-                                     ("out_of_core, a third of the peak", third,
-                                      losses_third, stats3)):
-            extra = "" if st is None else (
-                f"  bit-identical {losses == ref}, steady iterations "
-                f"{st['steady_iterations']}, swapped out {st['swapped_out_bytes']} B, "
-                f"peak {st['peak_device_bytes']} B")
-            print(f"  {label:34s} {t * 1e3:8.1f} ms/step  {t / plain:5.2f}x  "
-                  f"+{(t - plain) / ops * 1e6:7.1f} us/op{extra}")
+        for label, t, base, losses, st in (
+                ("out_of_core, budget=None", none, plain, losses_none, stats),
+                ("out_of_core, a third of the peak", third, plain3, losses_third, stats3)):
+            print(f"  {label:34s} {t * 1e3:8.1f} ms/step (plain {base * 1e3:7.1f})  "
+                  f"{t / base:5.2f}x  +{(t - base) / ops * 1e6:7.1f} us/op  bit-identical "
+                  f"{losses == ref}, steady iterations {st.get('steady_iterations', 0)} of "
+                  f"{st['iterations']}, swapped out {st['swapped_out_bytes']} B, peak "
+                  f"{st['peak_device_bytes']} B")
     return 0
 
 
