@@ -236,3 +236,21 @@ def test_a_module_made_anew_in_every_forward_keeps_the_steady_state():
         losses = [one(model, opt, x, y) for x, y in data]
     assert losses == ref and same(model.parameters(), ref_model.parameters())
     assert ooc.stats()["steady_exits"] == 0 and ooc.stats()["steady_iterations"] == 3
+
+
+def test_a_storage_resized_in_the_steady_state_records_anew():
+    # FSDP2 frees and regrows parameters with UntypedStorage.resize_, outside the dispatcher:
+    # seen at the iteration's end, after which the steady state is not entered again
+    data = batches([64] * 7)
+    ref, ref_w, _, _ = train(data)
+    model, opt = make()
+    losses = []
+    with vtorch.out_of_core(backend="poison", device="cpu") as ooc:
+        for i, (x, y) in enumerate(data):
+            if i == 4:
+                torch.empty(16).untyped_storage().resize_(128)
+            losses.append(step(model, opt, x, y))
+    assert losses == ref and same(model.parameters(), ref_w)
+    stats = ooc.stats()
+    assert stats["steady_exits"] == 1 and stats["steady_iterations"] == 2   # 3 and 4
+    assert "resized" in ooc.runtime.last_divergence and stats["iterations"] == 7

@@ -71,7 +71,7 @@ class Steady:
         self.handle = None
         self.exits = 0
         self.streak = 0           # steady iterations since the steady state began
-        self.thread = threading.get_ident()   # (the driver's mode is this thread's)
+        self.thread = None        # the driver's thread (its mode is that thread's)
         self.late = 0             # steady iterations found diverged at their end
         self.marks = None         # (scheduled, diverged) iterations when one began
         self.counts = dict(steady_iterations=0, steady_exits=0)
@@ -126,6 +126,7 @@ class Steady:
 
     # --- the hook -------------------------------------------------------------------------
     def _install(self):
+        self.thread = threading.get_ident()   # (the thread whose iteration ends here)
         if self.handle is None:
             from torch.nn.modules.module import register_module_forward_pre_hook
             self.handle = register_module_forward_pre_hook(self._pre_hook)
