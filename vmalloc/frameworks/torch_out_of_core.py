@@ -416,10 +416,17 @@ class OutOfCore:
                 self._promote.append(buf)
 
     def _fresh_tensors(self, func, out):
-        from torch.utils._pytree import tree_flatten
         if aten_ops.fresh_returns(func) == 0:
             return []
-        return [t for t in tree_flatten(out)[0] if self._tracked(t)]
+        Tensor = sys.modules["torch"].Tensor
+        if isinstance(out, Tensor):
+            flat = (out,)      # (most ops: pytree's flattening cost more than the rest)
+        elif type(out) is tuple and all(isinstance(t, Tensor) for t in out):
+            flat = out
+        else:
+            from torch.utils._pytree import tree_flatten
+            flat = tree_flatten(out)[0]
+        return [t for t in flat if self._tracked(t)]
 
     def _new_buffers(self, tensors, known):
         new = []

@@ -16,25 +16,34 @@ import sys
 #: Predictions kept per driver (a bound: programs with ever-new shapes).
 MAX_KEPT = 16384
 
-_SCALARS = (int, float, bool, str, type(None), complex)
+_SCALARS = frozenset((int, float, bool, str, type(None), complex))
+
+
+class _Unkeyed(Exception):
+    """An argument the key cannot hold."""
+
+
+def _part(x, torch):
+    t = type(x)
+    if t is torch.Tensor or t is torch.nn.Parameter:
+        return (x.shape, x.stride(), x.dtype, x.device.type)
+    if t is tuple or t is list:
+        return (t,) + tuple([_part(y, torch) for y in x])
+    if t in _SCALARS or isinstance(x, (torch.dtype, torch.device, torch.memory_format,
+                                       torch.layout)):
+        return (t, x)
+    if t is torch.Generator:
+        return t           # (draws values, never sizes)
+    raise _Unkeyed(t)      # (a tensor subclass, a dict, an object: predicted every time)
 
 
 def _key(func, args, kwargs, torch):
-    from torch.utils._pytree import tree_flatten
-    parts = [func]
-    for x in tree_flatten((args, kwargs))[0]:
-        if isinstance(x, torch.Tensor):
-            if type(x) is not torch.Tensor and type(x) is not torch.nn.Parameter:
-                return None
-            parts.append((tuple(x.shape), x.stride(), x.dtype, x.device.type))
-        elif isinstance(x, _SCALARS) or isinstance(x, (torch.dtype, torch.device,
-                                                       torch.memory_format, torch.layout)):
-            parts.append((type(x), x))
-        elif isinstance(x, torch.Generator):
-            parts.append(torch.Generator)     # (draws values, never sizes)
-        else:
-            return None
-    return tuple(parts)
+    """(Written out rather than with pytree: flattening was most of a kept prediction.)"""
+    try:
+        return (func, _part(args, torch),
+                tuple([(k, _part(v, torch)) for k, v in kwargs.items()]) if kwargs else ())
+    except _Unkeyed:
+        return None
 
 
 def predicted_bytes(driver, func, args, kwargs):
