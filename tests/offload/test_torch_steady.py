@@ -109,7 +109,8 @@ def test_a_shorter_iteration_is_caught_at_the_boundary():
     losses, w, ooc, after = train(data, short=(4,), before=before, budget=None)
     assert losses == ref and same(w, ref_w)
     ops = ops_per_step(after)
-    assert ops[3] == 0 and before[4] == after[3]["dispatched_ops"]  # short step ran plain up to its end...
+    # the short step ran plain up to its end...
+    assert ops[3] == 0 and before[4] == after[3]["dispatched_ops"]
     assert ops[5] > 0 and ops[6] > 0 and ops[7] == 0    # ...then records, probation, steady
     stats = ooc.stats()
     # 3 and 7 steady, 4 too (found diverged at its end)

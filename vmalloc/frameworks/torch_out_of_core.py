@@ -13,7 +13,8 @@ them; so, under a budget, the driver first works out on the meta device how many
 tracked outputs the op will create and asks the runtime to make room for them
 (``Runtime.make_room``) before running it. On-demand iterations (recording, or a budget no
 schedule fits) therefore stay within the budget too, as long as one op's own storages fit.
-With nothing to move, iterations leave the dispatcher altogether (:mod:`vmalloc.frameworks.torch_steady`).
+With nothing to move, iterations leave the dispatcher altogether
+(:mod:`vmalloc.frameworks.torch_steady`).
 
 Swapping itself is a *backend* (:mod:`vmalloc.frameworks.torch_swap`): ``"cuda"`` (the
 SwapManager over the vmalloc allocator PyTorch allocates from; only storages that own whole

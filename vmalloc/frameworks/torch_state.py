@@ -1,6 +1,6 @@
 """What the PyTorch out-of-core driver keeps beside the Runtime: which runtime buffer holds
-each storage, the dispatch mode, and what bypasses the dispatcher: readers (``.numpy()``, ``.tolist()``, ``torch.save``) and
-``UntypedStorage.resize_`` (FSDP2)."""
+each storage, the dispatch mode, and what bypasses the dispatcher: readers (``.numpy()``,
+``.tolist()``, ``torch.save``) and ``UntypedStorage.resize_`` (FSDP2)."""
 
 from __future__ import annotations
 

@@ -30,12 +30,11 @@ from __future__ import annotations
 import sys
 import threading
 
-#: The driver's ``stats()`` adds: ``steady_iterations`` (whole iterations run without the
-#: mode; counted in ``iterations`` and ``scheduled_iterations`` too, and in
-#: ``diverged_iterations`` when found diverged at their end), ``steady_exits`` (divergences
-#: found in the steady state), ``dispatched_ops`` and ``meta_predictions`` (aten ops the
-#: dispatch mode saw, and those predicted on the meta device).
-COUNTS = ("steady_iterations", "steady_exits", "dispatched_ops", "meta_predictions")
+# The driver's ``stats()`` adds: ``steady_iterations`` (whole iterations run without the
+# mode; counted in ``iterations`` and ``scheduled_iterations`` too, and in
+# ``diverged_iterations`` when found diverged at their end), ``steady_exits`` (divergences
+# found in the steady state), ``dispatched_ops`` and ``meta_predictions`` (aten ops the
+# dispatch mode saw, and those run on the meta device: torch_predict).
 
 #: Steady exits in a row after which the driver stops trying (a program that never repeats);
 #: a steady stretch of STREAK iterations or more starts the count anew (a periodic evaluation).
