@@ -13,6 +13,8 @@ them; so, under a budget, the driver first works out on the meta device how many
 tracked outputs the op will create and asks the runtime to make room for them
 (``Runtime.make_room``) before running it. On-demand iterations (recording, or a budget no
 schedule fits) therefore stay within the budget too, as long as one op's own storages fit.
+With nothing to move, iterations leave the dispatcher altogether
+(:mod:`vmalloc.frameworks.torch_steady`).
 
 Swapping itself is a *backend* (:mod:`vmalloc.frameworks.torch_swap`): ``"cuda"`` (the
 SwapManager over the vmalloc allocator PyTorch allocates from; only storages that own whole
@@ -36,10 +38,12 @@ import warnings
 import weakref
 
 from vmalloc.errors import InvalidArgumentError
+from vmalloc.frameworks import torch_said as said
 from vmalloc.frameworks.torch_recompute import AtenRerun, rerunnable
+from vmalloc.frameworks.torch_steady import ManualStep, Steady
 from vmalloc.frameworks.torch_swap import CudaSwap, PoisonSwap, holds_beyond_budget
-from vmalloc.frameworks.torch_state import (Kinds, Readers, Storages, leaving, make_mode,
-                                             predicted_bytes)
+from vmalloc.frameworks.torch_predict import predicted_bytes
+from vmalloc.frameworks.torch_state import Kinds, Readers, Storages, leaving, make_mode
 from vmalloc.frameworks.torch_subclass import is_wrapper, plain_tensors
 from vmalloc.frameworks.torch_unpredicted import Unpredicted
 from vmalloc.offload import aten_ops
@@ -157,7 +161,11 @@ class OutOfCore:
         self._promote = []             # buffers found long-lived, made persistent next begin
         self._collective = set()       # ids of buffers a collective op touched
         self._said = set()             # warnings given (each once)
-        self._counts = dict(over_budget_ops=0, promoted_storages=0)
+        self._counts = dict(over_budget_ops=0, promoted_storages=0, dispatched_ops=0,
+                            meta_predictions=0)
+        self._resized = 0              # storages resized outside the dispatcher (FSDP2)
+        self._predictions = {}         # op and argument key -> predicted bytes (torch_predict)
+        self._steady = Steady(self)    # no per-op Python once nothing moves (torch_steady)
         self._peak = None
 
     # --- user API -------------------------------------------------------------------------
@@ -188,11 +196,13 @@ class OutOfCore:
                     and self._end_iteration(failed=exc_type is not None), exc=exc)
         finally:
             _active.block = None
+            self._steady.close()       # (its mode already popped when steady)
             self._readers.remove()
             self._hook.remove()
             if self._pre_hook is not None:
                 self._pre_hook.remove()
-            self._mode.__exit__(exc_type, exc, tb)
+            if self._mode is not None:
+                self._mode.__exit__(exc_type, exc, tb)
             self._mode = None
             # The peak is the training's: bringing everything back on leaving is not counted.
             self._peak = self.runtime.stats()["peak_device_bytes"]
@@ -202,30 +212,20 @@ class OutOfCore:
     def step(self):
         """A context manager marking one iteration explicitly (for loops without an
         optimizer ``step()``)."""
-        driver = self
-
-        class _Step:
-            def __enter__(self):
-                driver._manual = True
-                driver._begin_iteration()
-                return driver
-
-            def __exit__(self, exc_type, exc, tb):
-                try:
-                    if driver.runtime.in_iteration:
-                        driver._end_iteration(failed=exc_type is not None)
-                finally:
-                    driver._manual = False
-                return False
-        return _Step()
+        return ManualStep(self)
 
     def stats(self) -> dict:
         """The runtime's statistics, plus ``over_budget_ops`` (ops whose own storages did
-        not fit the budget) and ``promoted_storages`` (storages found long-lived). After the
-        block every value stays as it was (``peak_device_bytes``: the peak inside the block;
+        not fit the budget), ``promoted_storages`` (storages found long-lived), and the
+        steady state's counts (:mod:`~vmalloc.frameworks.torch_steady`). After the block
+        every value stays as it was (``peak_device_bytes``: the peak inside the block;
         bringing everything back on leaving is not counted)."""
         out = self.runtime.stats()
         out.update(self._counts)
+        out.update(self._steady.counts)
+        out["iterations"] += self._steady.counts["steady_iterations"]
+        out["scheduled_iterations"] += self._steady.counts["steady_iterations"]
+        out["diverged_iterations"] += self._steady.late
         if self._peak is not None:
             out["peak_device_bytes"] = self._peak
         return out
@@ -273,54 +273,37 @@ class OutOfCore:
             self._counts["promoted_storages"] += len(promote)
             rt.invalidate(f"{len(promote)} storage(s) outlive their iteration: persistent now")
         self._iteration += 1
+        self._steady.begin_probation()
         rt.begin_iteration()
 
     def _end_iteration(self, failed=False):
         self._storages.collect()
         before = self.runtime.stats().get("schedule_failures", 0)
         self.runtime.end_iteration(failed=failed)
+        self._steady.ended(failed)
         if not self._runtime_says and self.runtime.stats().get("schedule_failures", 0) > before:
             self._unschedulable()
-
-    def _unschedulable(self):
-        """The runtime of this tree does not say that no schedule fits: say it (once)."""
-        from vmalloc.offload.schedule import ScheduleError
-        error = getattr(self.runtime, "last_schedule_error", None)
-        message = (f"no schedule fits the budget of {self.runtime.budget} bytes ({error}); "
-                   "iterations run on demand and may exceed the budget")
-        if self.strict:
-            raise ScheduleError(message)
-        self._say("unschedulable", message)
-
-    def _say(self, what, message, budget=True):
-        """Says a broken promise once per block: about the budget through the runtime (one
-        BudgetWarning per runtime, whoever finds the broken promise first), else a
-        UserWarning; either points at the program's line."""
-        import vmalloc.offload.runtime as runtime
-        if what in self._said:
-            return
-        self._said.add(what)
-        if budget and hasattr(self.runtime, "say_budget"):
-            self.runtime.say_budget(message)
-            return
-        category = getattr(runtime, "BudgetWarning", UserWarning) if budget else UserWarning
-        warn = getattr(runtime, "warn_user", None)
-        if warn is not None:
-            warn(message, category)
-        else:
-            warnings.warn(message, category, stacklevel=4)
 
     def _after_optimizer_step(self, optimizer, args, kwargs):
         if self._kinds is not None:
             self._kinds.after_step()
         new = optimizer not in self._optimizers
         self._optimizers.add(optimizer)
+        if self._steady.active:
+            if new:
+                self._steady.leave("a new optimizer stepped: its state is persistent")
+            elif not self._manual:
+                self._steady.boundary()
+            return
         if self.runtime.in_iteration and not self._manual:
             self._end_iteration()
         if new:
             # First sight of this optimizer: its parameters and state were recorded as
             # transient, so the record is wrong: record again next iteration.
-            self.runtime.invalidate("a new optimizer stepped: its state is persistent")
+            if self._steady.active:     # (a second optimizer after the probation's end)
+                self._steady.leave("a new optimizer stepped: its state is persistent")
+            else:
+                self.runtime.invalidate("a new optimizer stepped: its state is persistent")
 
     def _ensure_iteration(self):
         if not self.runtime.in_iteration and not self._manual:
@@ -337,8 +320,11 @@ class OutOfCore:
             return False
         return True
 
+    _unschedulable, _say, _over_budget = said.unschedulable, said.say, said.over_budget
+
     # --- ops ------------------------------------------------------------------------------
     def _dispatch(self, func, args, kwargs):
+        self._counts["dispatched_ops"] += 1
         if not aten_ops.is_function(func):
             return func(*args, **kwargs)
         rt = self.runtime
@@ -424,25 +410,6 @@ class OutOfCore:
         self._storages.collect()
         return out
 
-    def _over_budget(self, name, fresh, unseen=False):
-        """The op's own storages do not fit the budget: said once; raised under strict.
-        ``unseen``: storages it reads that were allocated outside the dispatcher (before
-        the block, or grown by ``resize_``) do not fit."""
-        from vmalloc.errors import OutOfMemoryError
-        self._counts["over_budget_ops"] += 1
-        running = getattr(self.runtime, "running_function", None)
-        what = (running() if running is not None else None) or name
-        message = (f"{what} needs {fresh} bytes for its outputs besides its inputs, more than "
-                   f"the budget of {self.runtime.budget} bytes leaves")
-        if unseen:
-            message = (f"{what} uses {fresh} bytes of storages allocated outside the "
-                       "dispatcher (before the block, or by resize_), more than the budget of "
-                       f"{self.runtime.budget} bytes leaves")
-        if self.strict:
-            raise OutOfMemoryError(message + ": refused (strict=True); the op did not run",
-                                   requested_bytes=fresh)
-        self._say("over_budget", message + ": it runs over the budget")
-
     def _collective_done(self, out, reads, writes):
         """A collective's Work runs on the backend's own thread: its tensors must stay where
         they are until it completes, so the function waits for it (on CPU with gloo;
@@ -456,10 +423,17 @@ class OutOfCore:
                 self._promote.append(buf)
 
     def _fresh_tensors(self, func, out):
-        from torch.utils._pytree import tree_flatten
         if aten_ops.fresh_returns(func) == 0:
             return []
-        return [t for t in tree_flatten(out)[0] if self._tracked(t)]
+        Tensor = sys.modules["torch"].Tensor
+        if isinstance(out, Tensor):
+            flat = (out,)      # (most ops: pytree's flattening cost more than the rest)
+        elif type(out) is tuple and all(isinstance(t, Tensor) for t in out):
+            flat = out
+        else:
+            from torch.utils._pytree import tree_flatten
+            flat = tree_flatten(out)[0]
+        return [t for t in flat if self._tracked(t)]
 
     def _new_buffers(self, tensors, known):
         new = []

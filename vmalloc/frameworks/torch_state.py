@@ -1,7 +1,6 @@
 """What the PyTorch out-of-core driver keeps beside the Runtime: which runtime buffer holds
-each storage, the dispatch mode, the prediction of an op's output bytes (allocation pressure),
-and what bypasses the dispatcher: readers (``.numpy()``, ``.tolist()``, ``torch.save``) and
-``UntypedStorage.resize_`` (FSDP2)."""
+each storage, the dispatch mode, and what bypasses the dispatcher: readers (``.numpy()``,
+``.tolist()``, ``torch.save``) and ``UntypedStorage.resize_`` (FSDP2)."""
 
 from __future__ import annotations
 
@@ -182,44 +181,6 @@ def make_mode(driver):
 _mode_class = None
 
 
-def predicted_bytes(driver, func, args, kwargs):
-    """Bytes of the tracked storages the op will create, worked out on the meta device before
-    it runs (0: none; None: unknown, or no budget to keep)."""
-    if driver.runtime.budget is None or func.namespace != "aten":
-        return None
-    if not any(str(r.type).startswith("Tensor") for r in func._schema.returns
-               if r.alias_info is None):
-        return 0
-    import torch
-    from torch.utils._python_dispatch import _disable_current_modes
-    from torch.utils._pytree import tree_flatten, tree_map
-
-    device = driver.device_type
-
-    def to_meta(x):
-        if isinstance(x, torch.Tensor):
-            if x.device.type != device:
-                return x
-            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-        if isinstance(x, torch.device) and x.type == device:
-            return torch.device("meta")
-        return x
-
-    try:
-        with _disable_current_modes():
-            margs, mkwargs = tree_map(to_meta, (tuple(args), dict(kwargs)))
-            out = func(*margs, **mkwargs)
-    except Exception:   # no meta kernel, or it mixes devices: learn the sizes after
-        return None
-    total = 0
-    for t in tree_flatten(out)[0]:
-        if isinstance(t, torch.Tensor) and t.device.type == "meta":
-            n = t.untyped_storage().nbytes()
-            if n >= driver.min_bytes:
-                total += n
-    return total
-
-
 class Readers:
     """Reading a tensor outside an op (``.numpy()``, ``.tolist()``, ``np.asarray``,
     ``torch.save``) bypasses the dispatcher: while the driver is active those readers first
@@ -265,6 +226,7 @@ class Readers:
             # size changes is another buffer (its old one leaves first). Another thread's
             # storages are not the driver's (its dispatch mode is this thread's).
             if threading.get_ident() == thread and not driver.runtime.in_function:
+                driver._resized += 1      # (no steady state: torch_steady)
                 driver._storages.collect()
                 driver._storages.release(storage, int(size))
             return original_resize(storage, size, *args, **kwargs)

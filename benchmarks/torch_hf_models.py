@@ -1,0 +1,135 @@
+"""Hugging Face GPT-2 and BERT (built from small configs, nothing downloaded) out of core on CPU.
+
+For each model: the steady-state step time plain, inside ``vmalloc.torch.out_of_core`` with no
+budget (the steady state: nothing to swap) and under a third of the in-core peak of the tracked
+storages (the dispatch path, swapping), as ratios to plain PyTorch measured in the same process,
+with the microseconds added per aten op, and whether the losses are bit-identical to plain
+training (every run starts from the same seed and data). Skips when ``transformers`` is missing.
+
+    PYTHONPATH=build/NAME/python python -P benchmarks/torch_hf_models.py [--steps N]
+        [--threads T]
+
+As in ``torch_step_overhead.py``: one intra-op thread by default, each row the median of its
+per-step times beside a plain run of its own (the shared machine's load changes within
+seconds). Report ``python -m timeit pass`` beside the figures.
+"""
+
+import argparse
+import sys
+import time
+import warnings
+
+import torch
+
+import vmalloc.torch as vtorch
+
+WARM = 3      # recording, recording again (the optimizer first seen), the probation
+
+
+def gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = GPT2Config(vocab_size=1000, n_positions=128, n_embd=128, n_layer=4, n_head=4)
+    return GPT2LMHeadModel(config)
+
+
+def bert():
+    from transformers import BertConfig, BertForMaskedLM
+    config = BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=4,
+                        num_attention_heads=4, intermediate_size=512,
+                        max_position_embeddings=128)
+    return BertForMaskedLM(config)
+
+
+def setup(build):
+    torch.manual_seed(0)
+    model = build()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 1000, (4, 64), generator=g)
+    return model, opt, ids
+
+
+def step(model, opt, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def aten_ops_per_step(build):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+    model, opt, ids = setup(build)
+    step(model, opt, ids)
+    with Count():
+        step(model, opt, ids)
+    return Count.n
+
+
+def timed(build, steps, **kw):
+    """The median seconds per step after the warm-up, the losses of every step, the
+    driver's stats."""
+    import statistics
+    model, opt, ids = setup(build)
+    losses = []
+
+    def run():
+        for _ in range(WARM):
+            losses.append(step(model, opt, ids))
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            losses.append(step(model, opt, ids))
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+    if not kw:
+        return run(), losses, None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with vtorch.out_of_core(backend="poison", device="cpu", **kw) as ooc:
+            t = run()
+    return t, losses, ooc.stats()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    try:
+        import transformers
+    except ImportError:
+        print("transformers is not installed: skipped")
+        return 0
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}, "
+          f"median of {args.steps} steps after {WARM} warm-up, {args.threads} thread(s)")
+    for name, build in (("GPT-2", gpt2), ("BERT", bert)):
+        ops = aten_ops_per_step(build)
+        plain, ref, _ = timed(build, args.steps)
+        none, losses_none, stats = timed(build, args.steps, budget=None)
+        peak = stats["peak_device_bytes"]
+        plain3 = timed(build, args.steps)[0]
+        third, losses_third, stats3 = timed(build, args.steps, budget=max(peak // 3, 1))
+        print(f"{name}: {ops} aten ops per step, in-core peak of tracked storages {peak} B")
+        for label, t, base, losses, st in (
+                ("out_of_core, budget=None", none, plain, losses_none, stats),
+                ("out_of_core, a third of the peak", third, plain3, losses_third, stats3)):
+            print(f"  {label:34s} {t * 1e3:8.1f} ms/step (plain {base * 1e3:7.1f})  "
+                  f"{t / base:5.2f}x  +{(t - base) / ops * 1e6:7.1f} us/op  bit-identical "
+                  f"{losses == ref}, steady iterations {st.get('steady_iterations', 0)} of "
+                  f"{st['iterations']}, swapped out {st['swapped_out_bytes']} B, peak "
+                  f"{st['peak_device_bytes']} B")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
