@@ -86,13 +86,18 @@ void SwapManager::free_unlocked(std::unique_lock<std::mutex>& lock, device_ptr p
 void SwapManager::free_busy(std::unique_lock<std::mutex>& lock, Record& r, device_ptr ptr,
                             stream_t stream) {
   r.busy = true;  // other calls leave it alone while the mutex is released; the node stays
+  // ...and frees of that address by others pass it by: once the upstream has freed it, the
+  // address may be another thread's allocation, whose free found this record and failed
+  // "busy" (two managers, two threads: 2 runs in 32 of test_swap_two_managers).
+  r.releasing = true;
   try {
     free_unlocked(lock, ptr, r.nbytes, stream);
   } catch (...) {
     r.busy = false;
+    r.releasing = false;
     throw;
   }
-  r.busy = false;
+  r.busy = false;  // stays releasing: the caller drops it next, with the mutex held
 }
 
 bool SwapManager::queued_free(device_ptr ptr) const noexcept {

@@ -117,11 +117,11 @@ SwapManager::~SwapManager() {
 
 SwapManager::Record* SwapManager::find(device_ptr ptr) {
   auto it = records_.find(ptr);
-  if (it != records_.end()) return &it->second;
+  if (it != records_.end()) return it->second.releasing ? nullptr : &it->second;
   auto a = alias_.find(ptr);
   if (a == alias_.end()) return nullptr;
   auto r = records_.find(a->second);
-  if (r == records_.end()) return nullptr;
+  if (r == records_.end() || r->second.releasing) return nullptr;
   if (r->second.device_held && r->second.device_addr == ptr) return &r->second;
   if (queued_free(ptr)) return &r->second;  // released, its free not yet made (flush_frees)
   // Released: the old address names the record unless the allocator gave it to a live

@@ -153,6 +153,10 @@ class SwapManager final : public Allocator {
     bool device_held = false;  // device memory held (not yet released / already acquired)
     device_ptr device_addr = 0;  // where, when held
     bool busy = false;         // a call works on it with the mutex released
+    // Its memory is being freed upstream with the mutex released: from the moment the
+    // upstream has freed it another thread may be given that address, and its free must not
+    // find this record (find skips it).
+    bool releasing = false;
     void* host = nullptr;      // staging block holding (or receiving) the data
     event_t done = 0;          // completion event of the copy in flight, 0 if none
     stream_t stream = 0;       // the caller's stream of the last swap
