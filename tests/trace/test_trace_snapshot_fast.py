@@ -578,11 +578,15 @@ def test_mutated_snapshots(tmp_path, data, before_window):
     path = tmp_path / "s.pickle"
     path.write_bytes(data)
     fast = outcome(path, python=False, before_window=before_window)
+    if fast[0] == "error" and "memo index" in fast[2]:
+        # Python's unpickler would allocate a memo up to that index: a draw of the dev profile
+        # put one near 2**32 and the suite's process was killed for memory (23.9 GB). The
+        # reference is not run for it; the C++ reader's refusal is what is checked.
+        return
     slow = outcome(path, python=True, before_window=before_window)
     if fast != slow:
         assert fast[0] == "error", (fast, slow)
-        if "memo index" not in fast[2]:  # Python's unpickler would allocate for it
-            assert any(words in fast[2] for words in REFUSED) and slow[0] == "error", (fast, slow)
+        assert any(words in fast[2] for words in REFUSED) and slow[0] == "error", (fast, slow)
 
 
 # -- hostile pickles -----------------------------------------------------------------------
