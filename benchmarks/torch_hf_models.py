@@ -59,19 +59,11 @@ def step(model, opt, ids):
 
 
 def aten_ops_per_step(build):
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from vmalloc.frameworks.torch_ops import count_aten_ops
 
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
     model, opt, ids = setup(build)
     step(model, opt, ids)
-    with Count():
-        step(model, opt, ids)
-    return Count.n
+    return count_aten_ops(step, model, opt, ids)
 
 
 def timed(build, steps, **kw):

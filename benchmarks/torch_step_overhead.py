@@ -28,6 +28,7 @@ import warnings
 import torch
 
 import vmalloc.torch as vtorch
+from vmalloc.frameworks.torch_ops import count_aten_ops
 
 
 def model_and_data(layers):
@@ -48,17 +49,7 @@ def step(model, opt, x):
 
 
 def aten_ops_per_step(model, opt, x):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
-    with Count():
-        step(model, opt, x)
-    return Count.n
+    return count_aten_ops(step, model, opt, x)
 
 
 def timed_steps(model, opt, x, steps, warm=3):

@@ -12,6 +12,8 @@ stands in.
 
 import time
 
+from vmalloc.frameworks.torch_ops import count_aten_ops
+
 MiB = 1 << 20
 #: GPT-2 small (Radford et al. 2019): 12 layers, 768 wide, 12 heads, 50,257 tokens, 1,024
 #: positions. Under --dry-run: a two-layer miniature.
@@ -56,21 +58,6 @@ def _step(model, opt, ids):
     opt.zero_grad(set_to_none=True)
     return loss
 
-
-def count_aten_ops(model, opt, ids):
-    """Aten ops of one training step (forward, loss, backward, optimizer)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        _step(model, opt, ids)
-    return Count.n
 
 
 def _timed(setup, model, opt, ids, warmup, iters):
@@ -134,7 +121,7 @@ def run(setup, ctx, out, release, reserve_seconds=0.0, compile_runs=None):
     def plain():
         model, opt = make()
         entry = _timed(setup, model, opt, ids, warmup, iters)
-        res["aten_ops_per_step"] = count_aten_ops(model, opt, ids)
+        res["aten_ops_per_step"] = count_aten_ops(_step, model, opt, ids)
         return entry
 
     # Deterministic kernels where PyTorch has them (warned where not: SDPA's memory-efficient
