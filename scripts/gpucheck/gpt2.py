@@ -118,26 +118,34 @@ def run(setup, ctx, out, release, reserve_seconds=0.0, compile_runs=None):
         ctx.save(out)
         return entry
 
-    def plain():
-        model, opt = make()
-        entry = _timed(setup, model, opt, ids, warmup, iters)
-        res["aten_ops_per_step"] = count_aten_ops(_step, model, opt, ids)
-        return entry
-
+    if compile_runs is None:
+        compile_runs = not setup.dry
     # Deterministic kernels where PyTorch has them (warned where not: SDPA's memory-efficient
     # backward on CUDA), and plain twice: how far apart two plain runs already are.
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        return _runs(setup, ctx, out, res, attempt, make, ids, warmup, iters, plain,
-                     compile_runs)
+        _runs(setup, res, attempt, make, ids, warmup, iters, compile_runs)
     finally:
         torch.use_deterministic_algorithms(False)
+    _summarize(res)
+    res["status"] = "ok"
+    ctx.save(out)
+    return res
 
 
-def _runs(setup, ctx, out, res, attempt, make, ids, warmup, iters, plain, compile_runs):
+def _runs(setup, res, attempt, make, ids, warmup, iters, compile_runs):
     import torch
 
     import vmalloc.torch
+
+    def plain(count=False):
+        def go():
+            model, opt = make()
+            entry = _timed(setup, model, opt, ids, warmup, iters)
+            if count:
+                res["aten_ops_per_step"] = count_aten_ops(_step, model, opt, ids)
+            return entry
+        return go
 
     def ooc(budget):
         def go():
@@ -151,54 +159,38 @@ def _runs(setup, ctx, out, res, attempt, make, ids, warmup, iters, plain, compil
             return entry
         return go
 
-    def plain_again():
-        model, opt = make()
-        return _timed(setup, model, opt, ids, warmup, iters)
-
-    base = attempt("plain", plain, 30)
-    attempt("plain_repeat", plain_again, 20)
-    roomy = attempt("out_of_core_no_pressure", ooc(None), 60)
-    peak = (roomy or {}).get("peak_device_bytes") or (base or {}).get("peak_reserved_bytes")
-    if peak:
-        attempt("out_of_core_half_memory", ooc(int(peak) // 2), 60)
-    else:
-        res["runs"]["out_of_core_half_memory"] = {"status": "skipped: no peak to halve"}
-
     def compiled():
         model, opt = make()
-        compiled_model = torch.compile(model)
-        return _timed(setup, compiled_model, opt, ids, warmup, iters)
-
-    if compile_runs is None:
-        compile_runs = not setup.dry
-    if not compile_runs:
-        for name in ("compiled", "compiled_policy_half_memory"):
-            res["runs"][name] = {"status": "skipped: --dry-run (compiling takes minutes on a "
-                                           "CI core; tests/frameworks compile on CPU)"}
-        _summarize(res)
-        res["status"] = "ok"
-        ctx.save(out)
-        return res
-    attempt("compiled", compiled, 90)
+        return _timed(setup, torch.compile(model), opt, ids, warmup, iters)
 
     def compiled_ooc():
         model, opt = make()
         start = time.perf_counter()
-        plan = vmalloc.torch.policy(model, (ids, ids), loss_fn=_loss, budget=int(peak) // 2,
+        plan = vmalloc.torch.policy(model, (ids, ids), loss_fn=_loss, budget=half,
                                     optimizer="sgd")
         planned = time.perf_counter() - start
         compiled_model = vmalloc.torch.compile_out_of_core(model, plan)
         entry = _timed(setup, compiled_model, opt, ids, warmup, iters)
-        entry.update(plan_seconds=planned, budget_bytes=int(peak) // 2,
-                     decisions=plan.stats() if hasattr(plan, "stats") else None)
+        entry.update(plan_seconds=planned, budget_bytes=half, decisions=plan.stats())
         return entry
 
-    if peak:
+    base = attempt("plain", plain(count=True), 30)
+    attempt("plain_repeat", plain(), 20)
+    roomy = attempt("out_of_core_no_pressure", ooc(None), 60)
+    peak = (roomy or {}).get("peak_device_bytes") or (base or {}).get("peak_reserved_bytes")
+    half = int(peak) // 2 if peak else None
+    if half:
+        attempt("out_of_core_half_memory", ooc(half), 60)
+    else:
+        res["runs"]["out_of_core_half_memory"] = {"status": "skipped: no peak to halve"}
+    if not compile_runs:
+        for name in ("compiled", "compiled_policy_half_memory"):
+            res["runs"][name] = {"status": "skipped: --dry-run (compiling takes minutes on a "
+                                           "CI core; tests/frameworks compile on CPU)"}
+        return
+    attempt("compiled", compiled, 90)
+    if half:
         attempt("compiled_policy_half_memory", compiled_ooc, 120)
-    _summarize(res)
-    res["status"] = "ok"
-    ctx.save(out)
-    return res
 
 
 def _summarize(res):
