@@ -83,12 +83,12 @@ def run(ctx):
     # The examples get a share of the time only on a GPU (they need one).
     examples = () if ctx.dry_run else EXAMPLES
     tails, cut = [], []
-    for i, suite in enumerate(suites):
+    for suite in suites:
         limit = ctx.left() - 5 - 40 * len(examples)
         if limit < 10:
             cut.append(suite)
             continue
-        code, out, timed_out = _run([sys.executable, "-c", _LAUNCH, *opts, suite], env, limit)
+        _, out, timed_out = _run([sys.executable, "-c", _LAUNCH, *opts, suite], env, limit)
         counts, failures = parse(out)
         for k, v in counts.items():
             result[k] += v

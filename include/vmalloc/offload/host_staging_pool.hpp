@@ -70,7 +70,6 @@ class HostStagingPool {
   std::size_t release_cached_locked() noexcept;
   // The cached block a request of class `c` takes: the smallest of at least `c` and at most
   // `2c`; cached_.end() if none.
-  std::multimap<std::size_t, void*>::iterator reusable(std::size_t c);
   std::multimap<std::size_t, void*>::const_iterator reusable(std::size_t c) const;
   [[noreturn]] void throw_over_capacity(std::size_t nbytes) const;
 
