@@ -1,4 +1,5 @@
-# vmalloc.offload._window_loop, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
+# vmalloc.offload.scheduling._window_loop, compiled: its stub, by scripts/make-stubs (docs in the
+# .pyx).
 from typing import Any
 
 def uses_and_next(functions, nvar, managed) -> Any: ...
