@@ -17,7 +17,6 @@ from vmalloc.frameworks import numpy_training
 from vmalloc.offload.runtime import Runtime
 from vmalloc.offload.runtime.compression import (dtype_name, from_half_bits, round_trip,
                                                  to_half_bits)
-from vmalloc.offload.scheduling.schedule import Schedule
 
 MiB = 1 << 20
 

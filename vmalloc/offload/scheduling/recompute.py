@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from operator import itemgetter
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List
 
 from vmalloc.errors import InvalidArgumentError
 from vmalloc.offload.scheduling.schedule import ScheduleError, paused_gc

@@ -24,7 +24,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import zlib
 from typing import Iterable, List, NamedTuple, Optional
 
 from vmalloc.errors import InvalidArgumentError, VmallocError
