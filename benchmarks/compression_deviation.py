@@ -3,7 +3,7 @@
 
     python benchmarks/compression_deviation.py [--steps 100] [--only numpy-cnn,numpy-mlp,torch]
 
-- ``numpy-cnn``, ``numpy-mlp``: the NumPy training of :mod:`vmalloc.offload.numpy_training`
+- ``numpy-cnn``, ``numpy-mlp``: the NumPy training of :mod:`vmalloc.frameworks.numpy_training`
   on the emulated device (SwapManager backend, window scheduler) at half the in-core peak.
 - ``torch``: an MLP under ``vmalloc.torch.out_of_core`` with the poison backend (CPU tensors).
 
@@ -24,7 +24,7 @@ import time
 
 def numpy_runs(network, steps, config):
     import vmalloc
-    from vmalloc.offload import numpy_training as nt
+    from vmalloc.frameworks import numpy_training as nt
     from vmalloc.offload.runtime import Runtime
 
     def make(capacity, scheduler, compress=None):
@@ -48,7 +48,7 @@ def torch_runs(steps, batch=256, width=512, budget="4MiB"):
     import torch
 
     import vmalloc.torch as vtorch
-    from vmalloc.offload.numpy_training import TrainResult
+    from vmalloc.frameworks.numpy_training import TrainResult
 
     def make():
         torch.manual_seed(0)
@@ -88,7 +88,7 @@ def torch_runs(steps, batch=256, width=512, budget="4MiB"):
 
 
 def row(model, compress, ref, out, seconds, stats):
-    from vmalloc.offload.numpy_training import deviation
+    from vmalloc.frameworks.numpy_training import deviation
 
     d = deviation(ref, out)
     return dict(model=model, compress=compress or "lossless", steps=len(out.losses),
@@ -104,7 +104,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--only", default="numpy-cnn,numpy-mlp,torch")
     args = p.parse_args(argv)
-    from vmalloc.offload.numpy_training import CONFIGS
+    from vmalloc.frameworks.numpy_training import CONFIGS
 
     which = args.only.split(",")
     rows = []

@@ -14,8 +14,8 @@ import time
 
 from vmalloc.offload import model_sequence, plan, simulate
 from vmalloc.offload.cli import table
-from vmalloc.offload.models import MODELS
-from vmalloc.offload.planner import in_core_reference, max_batch
+from vmalloc.offload.sequence.models import MODELS
+from vmalloc.offload.planning.planner import in_core_reference, max_batch
 
 
 def show(t):

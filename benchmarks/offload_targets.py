@@ -11,8 +11,8 @@ et al.'s published LMS rows (batch 775: 130 images/s swap only, 165 with fp16 Ha
 import argparse
 import time
 
-from vmalloc.offload.models import model_sequence
-from vmalloc.offload.planner import in_core_reference, plan
+from vmalloc.offload.sequence.models import model_sequence
+from vmalloc.offload.planning.planner import in_core_reference, plan
 
 GB = 1e9
 

@@ -1,9 +1,10 @@
-"""Regenerates the shipped model sequences (vmalloc/offload/data/<name>.json.gz).
+"""Regenerates the shipped model sequences (vmalloc/offload/sequence/data/<name>.json.gz).
 
-    PYTHONPATH=... python benchmarks/record_sequences.py [--out vmalloc/offload/data] [names...]
+    PYTHONPATH=... python benchmarks/record_sequences.py \
+        [--out vmalloc/offload/sequence/data] [names...]
 
-Records one training iteration of each model of vmalloc.offload.torch_models on the meta device
-at batches 2 and 4, stores it at batch 1 and prints, per model: functions, variables,
+Records one training iteration of each model of vmalloc.offload.sequence.torch_models on the
+meta device at batches 2 and 4, stores it at batch 1 and prints, per model: functions, variables,
 parameters, persistent bytes, FLOPs per sample and the in-core peak at a few batch sizes, and
 the seconds the recording took. Needs torch (CPU is enough), not torchvision.
 """
@@ -22,8 +23,8 @@ BATCHES = {"resnet50": (32, 64, 128, 190, 256), "densenet121": (32, 64, 128, 256
 def record_model(name):
     import torch
 
-    from vmalloc.offload.recorder import record
-    from vmalloc.offload.torch_models import build
+    from vmalloc.offload.sequence.recorder import record
+    from vmalloc.offload.sequence.torch_models import build
 
     with torch.device("meta"):
         model, inputs_fn, loss_fn, meta = build(name)
@@ -31,7 +32,7 @@ def record_model(name):
 
 
 def main(argv=None):
-    from vmalloc.offload.models import MODELS
+    from vmalloc.offload.sequence.models import MODELS
     from vmalloc.sizes import format_size
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -1,5 +1,5 @@
 """How long the schedulers take: a synthetic 10^5-function sequence (and the shipped models,
-when vmalloc.offload.models exists). Prints seconds per scheduler (the best of ``--repeat``
+when vmalloc.offload.sequence.models exists). Prints seconds per scheduler (the best of ``--repeat``
 runs: the machine here is shared) and the ratio of "window + drop + recompute considered" to
 the window scheduler alone measured in the same run, with ``python -m timeit pass``'s figure
 before and after (this machine's speed varies about 4x: quote it beside every timing).
@@ -85,7 +85,7 @@ def run(seq, check):
             timed("  check", s.check, seq, budget)
     # recompute considered: candidates (link vs compute time per variable), the expanded
     # sequence, its window schedule and the swap-only one it must not move more bytes than
-    from vmalloc.offload.planner import schedule_with_choices
+    from vmalloc.offload.planning.planner import schedule_with_choices
     params = {"window": peak // 8, "budget": peak // 4, "drop": True}
     try:
         s = timed("window + drop + recompute considered", schedule_with_choices, seq, "window",
@@ -100,7 +100,7 @@ def run(seq, check):
 
 def only(seq, what):
     """One scheduling of ``seq`` inside math.fsum (see the module docstring)."""
-    from vmalloc.offload.planner import schedule_with_choices
+    from vmalloc.offload.planning.planner import schedule_with_choices
     peak = seq.in_core_peak()
     if what == "window":
         def fn():
@@ -124,7 +124,8 @@ def main():
     args = ap.parse_args()
     REPEAT = max(1, args.repeat)
     if args.only:
-        import vmalloc.offload.recompute  # noqa: F401 - imported outside the counted call
+        # imported outside the counted call
+        import vmalloc.offload.scheduling.recompute  # noqa: F401
         only(synthetic(args.functions), args.only)
         return
     print(f"{'timeit pass (before)':40s} {timeit_pass():8.2f} ns")
@@ -133,7 +134,7 @@ def main():
     if args.synthetic_only:
         return
     try:
-        from vmalloc.offload import models
+        from vmalloc.offload.sequence import models
     except ImportError:
         return
     for name in getattr(models, "MODELS", ()):

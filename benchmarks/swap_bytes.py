@@ -13,10 +13,10 @@ must be on the host, so they went out at least once.
 import argparse
 import collections
 
-from vmalloc.offload.gpus import get_gpu
-from vmalloc.offload.models import model_sequence
-from vmalloc.offload.planner import in_core_reference, plan
-from vmalloc.offload.window import WindowScheduler
+from vmalloc.offload.hardware.gpus import get_gpu
+from vmalloc.offload.sequence.models import model_sequence
+from vmalloc.offload.planning.planner import in_core_reference, plan
+from vmalloc.offload.scheduling.window import WindowScheduler
 
 GB = 1e9
 

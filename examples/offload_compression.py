@@ -11,7 +11,7 @@ final weights are from the in-core run's.
 """
 
 import vmalloc
-from vmalloc.offload import numpy_training
+from vmalloc.frameworks import numpy_training
 from vmalloc.offload.runtime import Runtime
 
 MiB = 1 << 20

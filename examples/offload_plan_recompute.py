@@ -9,8 +9,8 @@ prints, per variable class, what it chose and the bytes each choice moves.
 """
 
 from vmalloc.offload import FunctionSequence, plan
-from vmalloc.offload.gpus import get_gpu
-from vmalloc.offload.plan_report import format_plan, plan_table
+from vmalloc.offload.hardware.gpus import get_gpu
+from vmalloc.offload.planning.plan_report import format_plan, plan_table
 
 MiB = 1 << 20
 

@@ -9,7 +9,7 @@ bytes.
 
 import vmalloc
 from vmalloc.offload import Runtime
-from vmalloc.offload.numpy_training import train
+from vmalloc.frameworks.numpy_training import train
 from vmalloc.sizes import format_size
 
 NET = dict(network="mlp", batch=8192, sizes=(128,) * 10 + (10,), steps=3)

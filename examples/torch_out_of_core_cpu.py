@@ -15,7 +15,7 @@ import warnings
 import torch
 
 import vmalloc.torch
-from vmalloc.offload.schedule import ScheduleError
+from vmalloc.offload.scheduling.schedule import ScheduleError
 
 
 def make():

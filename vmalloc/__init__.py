@@ -40,6 +40,7 @@ from vmalloc._core.current_allocator import (
     library_path,
     set_current_allocator,
 )
+from vmalloc._core.physical_chunk_pool import PhysicalChunkPool
 from vmalloc._core.virtual_allocator import VirtualAllocator
 
 __version__ = "0.1.0"
@@ -55,6 +56,7 @@ __all__ = [
     "InvalidPointerError",
     "LoggingAllocator",
     "OutOfMemoryError",
+    "PhysicalChunkPool",
     "Stats",
     "TraceFormatError",
     "VirtualAllocator",

@@ -2,9 +2,9 @@
 model of this machine calibrated only on the measured in-core runs (as the V100 model was on
 the paper's in-core row), beside what was measured.
 
-The model starts from the ``h100-80gb`` constants (vmalloc/offload/gpus.py: peak and HBM from
-the H100 datasheet, cited in reference/numbers.md); compute efficiency and per-function
-overhead are fitted to the in-core runs (:func:`vmalloc.offload.gpus.calibrate`), the link
+The model starts from the ``h100-80gb`` constants (vmalloc/offload/hardware/gpus.py: peak and
+HBM from the H100 datasheet, cited in reference/numbers.md); compute efficiency and per-function
+overhead are fitted to the in-core runs (:func:`vmalloc.offload.hardware.gpus.calibrate`), the link
 bandwidths are this machine's measured pinned figures (the bandwidth section) where there
 are some, and the memory is the GPU's.
 """
@@ -24,7 +24,7 @@ def _measured_link(bandwidth):
 
 def run(ctx):
     from vmalloc.offload import model_sequence, plan, simulate
-    from vmalloc.offload.gpus import calibrate, get_gpu
+    from vmalloc.offload.hardware.gpus import calibrate, get_gpu
 
     torch_result = ctx.result_of("torch_out_of_core") or {}
     core = torch_result.get("in_core") or {}

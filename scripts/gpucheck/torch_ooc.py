@@ -78,9 +78,9 @@ class Setup:
                 self.model_name = "torchvision.models.resnet50"
                 self._factory = lambda: torchvision.models.resnet50()
             except ImportError:
-                from vmalloc.offload.torch_models import ResNet50
+                from vmalloc.offload.sequence.torch_models import ResNet50
 
-                self.model_name = "vmalloc.offload.torch_models.ResNet50 (no torchvision)"
+                self.model_name = "vmalloc.offload.sequence.torch_models.ResNet50 (no torchvision)"
                 self._factory = ResNet50
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True

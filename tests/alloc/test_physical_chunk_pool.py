@@ -12,9 +12,15 @@ MiB = 1 << 20
 
 
 def pool_class():
-    from vmalloc._core.virtual_allocator import PhysicalChunkPool
+    # The public path (docs/api.rst documents the class there, issue 22 item 7).
+    return vmalloc.PhysicalChunkPool
 
-    return PhysicalChunkPool
+
+def test_the_pool_is_public_at_the_package_root():
+    from vmalloc._core.physical_chunk_pool import PhysicalChunkPool
+
+    assert vmalloc.PhysicalChunkPool is PhysicalChunkPool
+    assert "PhysicalChunkPool" in vmalloc.__all__
 
 
 def test_chunk_size_must_be_a_positive_multiple_of_the_granularity():

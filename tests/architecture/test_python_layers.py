@@ -3,14 +3,23 @@
     base (errors, sizes, _core.stats) <- device (vmalloc._core: the compiled device, chunk
     pool and allocator wrappers; the driver emulator) <- alloc (allocator_kinds) <- trace
     (vmalloc.traces) <- replay (vmalloc.replay with its stress patterns, plot and verdict;
-    bench) <- offload <- frameworks (vmalloc.frameworks, torch, cupy, nnabla, cuda_core) <-
-    cli (vmalloc.cli with doctor and probe, offload.cli)
+    bench) <- offload <- frameworks (vmalloc.frameworks, torch, cupy, nnabla, cuda_core,
+    the NumPy demo) <- cli (vmalloc.cli with doctor and probe, offload.cli)
+
+and inside offload, one layer per folder (docs/architecture.rst, "The offload package"):
+
+    {offload.swap, offload.sequence, offload.hardware} <- offload.scheduling <-
+    {offload.simulation, offload.runtime} <- offload.planning <- offload (the package's
+    facade, ``vmalloc.offload``, re-exporting the public names)
 
 A module may import modules of its own layer and of the layers below it, never of a layer
-above it: every import counts here, those inside functions too (a lazy import still ties the
-lower module to the higher one). Import cycles are checked among module-level imports only:
-an import inside a function is the usual way to break a cycle, and runs after both modules
-are initialized. The package root ``vmalloc`` is a facade that re-exports the compiled
+above it nor of a sibling (another layer of the same rank: the runtime never imports the
+simulator, nor the simulator the runtime): every import counts here, those inside functions
+too (a lazy import still ties the lower module to the higher one). A module inside offload
+reaches another folder's names by that folder's module (``vmalloc.offload.swap``), never
+through the facade, which sits above them all. Import cycles are checked among module-level
+imports only: an import inside a function is the usual way to break a cycle, and runs after
+both modules are initialized. The package root ``vmalloc`` is a facade that re-exports the compiled
 classes; lower modules reach those classes through it lazily (``vmalloc.HostDevice``), so
 importing the root counts as importing the device layer.
 
@@ -26,8 +35,10 @@ import re
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "vmalloc"
 
-RANKS = {"base": 0, "device": 1, "alloc": 2, "trace": 3, "replay": 4, "offload": 5,
-         "frameworks": 6, "cli": 7}
+RANKS = {"base": 0, "device": 1, "alloc": 2, "trace": 3, "replay": 4,
+         "offload.swap": 5, "offload.sequence": 5, "offload.hardware": 5,
+         "offload.scheduling": 6, "offload.simulation": 7, "offload.runtime": 7,
+         "offload.planning": 8, "offload": 9, "frameworks": 10, "cli": 11}
 
 #: Module (or package prefix) -> layer; the longest matching prefix decides.
 LAYERS = {
@@ -42,9 +53,16 @@ LAYERS = {
     "vmalloc.traces": "trace",
     "vmalloc.replay": "replay",  # with its compiled loop, stress patterns, plot and verdict
     "vmalloc.bench": "replay",
-    "vmalloc.offload": "offload",
+    "vmalloc.offload": "offload",  # the facade (its __init__) re-exporting the public names
+    "vmalloc.offload.swap": "offload.swap",
+    "vmalloc.offload.sequence": "offload.sequence",
+    "vmalloc.offload.hardware": "offload.hardware",
+    "vmalloc.offload.scheduling": "offload.scheduling",
+    "vmalloc.offload.simulation": "offload.simulation",
+    "vmalloc.offload.runtime": "offload.runtime",
+    "vmalloc.offload.planning": "offload.planning",
     "vmalloc.offload.cli": "cli",
-    "vmalloc.frameworks": "frameworks",
+    "vmalloc.frameworks": "frameworks",  # with the NumPy demo (numpy_training)
     "vmalloc.torch": "frameworks",
     "vmalloc.cupy": "frameworks",
     "vmalloc.nnabla": "frameworks",
@@ -138,11 +156,13 @@ def layer_of(name):
 
 
 def upward_imports(edges):
-    """The imports of a higher layer, as sorted (importer, its layer, imported, its layer)."""
+    """The imports of a higher layer or of a sibling (another layer of the same rank), as
+    sorted (importer, its layer, imported, its layer)."""
     out = set()
     for src, dst, _ in edges:
         a, b = layer_of(src), layer_of(dst)
-        if RANKS[a] < RANKS[b] and (src, dst) not in KNOWN_EXCEPTIONS:
+        if (RANKS[a] < RANKS[b] or (a != b and RANKS[a] == RANKS[b])) \
+                and (src, dst) not in KNOWN_EXCEPTIONS:
             out.add((src, a, dst, b))
     return sorted(out)
 
@@ -201,6 +221,32 @@ def test_no_module_imports_a_higher_layer():
     assert not bad, "\n".join(f"{s} ({a}) imports {d} ({b})" for s, a, d, b in bad)
 
 
+def test_every_offload_module_is_in_a_concern_folder():
+    """Issue 22 item 7: vmalloc/offload/ holds its facade (__init__.py) and one folder per
+    concern, each a layer above; a module left at its top would fall in the facade's layer."""
+    top = sorted(name for name in modules() if name.startswith("vmalloc.offload.")
+                 and name.count(".") == 2 and layer_of(name) == "offload")
+    assert top == []
+    folders = {name.split(".")[2] for name in modules() if name.count(".") >= 3
+               and name.startswith("vmalloc.offload.")}
+    assert folders == {"swap", "sequence", "hardware", "scheduling", "simulation", "runtime",
+                       "planning", "cli"}
+    assert {layer_of(f"vmalloc.offload.{f}") for f in folders} <= set(RANKS)
+
+
+def test_the_offload_folders_import_one_way():
+    # The order the code has (not only what the check allows): each folder imports the one
+    # below it, so the ranks are no looser than the imports.
+    edges = {(layer_of(s), layer_of(d)) for s, d, _ in import_edges(modules())}
+    assert ("offload.scheduling", "offload.sequence") in edges    # recompute: the sequence
+    assert ("offload.scheduling", "offload.hardware") in edges    # recompute: the GPU's costs
+    assert ("offload.simulation", "offload.scheduling") in edges  # simulator: Schedule, Step
+    assert ("offload.runtime", "offload.scheduling") in edges     # recording: make_scheduler
+    assert ("offload.runtime", "offload.swap") in edges           # core: SwapManager
+    assert ("offload.planning", "offload.simulation") in edges    # planner: simulate
+    assert ("frameworks", "offload.runtime") in edges             # the drivers: Runtime
+
+
 def test_no_import_cycles_among_module_level_imports():
     assert cycles(module_level_graph(import_edges(modules()))) == []
 
@@ -224,6 +270,15 @@ def test_the_checks_catch_what_they_guard_against():
     assert upward_imports(edges) == [("vmalloc.sizes", "base", "vmalloc.replay.run", "replay")]
     # A lazy import breaks a cycle but not the layering.
     assert cycles(module_level_graph(edges)) == []
+    # Siblings: the runtime and the simulator never import each other; a folder reaching
+    # another through the facade imports a higher layer.
+    assert upward_imports({("vmalloc.offload.runtime.core",
+                            "vmalloc.offload.simulation.simulator", True),
+                           ("vmalloc.offload.runtime.core", "vmalloc.offload", True),
+                           ("vmalloc.offload.runtime.core", "vmalloc.offload.swap", True)}) == [
+        ("vmalloc.offload.runtime.core", "offload.runtime", "vmalloc.offload", "offload"),
+        ("vmalloc.offload.runtime.core", "offload.runtime",
+         "vmalloc.offload.simulation.simulator", "offload.simulation")]
 
 
 #: Files over the limit, each with why it stays for now (the coordinator removes them).

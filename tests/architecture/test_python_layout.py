@@ -5,7 +5,7 @@
 * no compiled module (``.pyx``) at the top: the device, chunk pool and allocator wrappers live
   in ``vmalloc/_core/`` (mirroring the declarations in ``vmalloc/_lib/``), every other one
   beside its user: all the modules importing it are in its own package (``traces/``,
-  ``replay/``, ``offload/``, ``bench/``).
+  ``replay/``, ``bench/``, ``offload/swap/``, ``offload/scheduling/``).
 
 Test_python_layers.py reads the imports; this file reuses its reader.
 """
@@ -110,8 +110,10 @@ def test_every_compiled_module_is_in_core_or_beside_its_users():
     assert users["vmalloc.traces._trace_parse"] == {"vmalloc.traces._fast"}
     assert users["vmalloc.replay._replay"] == {"vmalloc.replay", "vmalloc.replay.run"}
     assert users["vmalloc.bench._bench"] == {"vmalloc.bench"}
-    assert "vmalloc.offload" in users["vmalloc.offload._swap_manager"]
-    assert "vmalloc.offload._swap_manager" in users["vmalloc._core.allocator"]  # a cimport
+    assert users["vmalloc.offload.swap._swap_manager"] == {"vmalloc.offload.swap"}
+    assert users["vmalloc.offload.scheduling._window_loop"] == {
+        "vmalloc.offload.scheduling.window"}
+    assert "vmalloc.offload.swap._swap_manager" in users["vmalloc._core.allocator"]  # a cimport
 
 
 def test_the_check_finds_each_kind_of_break(tmp_path):

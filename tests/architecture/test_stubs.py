@@ -41,7 +41,7 @@ def public(obj):
 
 def test_there_are_compiled_modules():
     assert {module_name(p) for p in PYX} >= {"vmalloc._core.allocator", "vmalloc._core.host_device",
-                                             "vmalloc.offload._swap_manager"}
+                                             "vmalloc.offload.swap._swap_manager"}
 
 
 @pytest.mark.parametrize("pyx", PYX, ids=module_name)

@@ -13,11 +13,10 @@ from hypothesis import strategies as st
 
 import vmalloc
 from vmalloc.errors import InvalidArgumentError
-from vmalloc.offload import numpy_training
+from vmalloc.frameworks import numpy_training
 from vmalloc.offload.runtime import Runtime
 from vmalloc.offload.runtime.compression import (dtype_name, from_half_bits, round_trip,
                                                  to_half_bits)
-from vmalloc.offload.schedule import Schedule
 
 MiB = 1 << 20
 
@@ -158,7 +157,7 @@ def test_persistent_and_mixed_buffers_are_never_compressed():
 def test_a_schedule_that_compresses_a_non_float32_buffer_is_refused():
     class Compressing:
         def schedule(self, seq):
-            from vmalloc.offload.schedulers import make_scheduler
+            from vmalloc.offload.scheduling.schedulers import make_scheduler
             s = make_scheduler("none").schedule(seq)
             s.compressed = frozenset(v.id for v in seq.variables if not v.persistent)
             return s

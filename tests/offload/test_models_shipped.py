@@ -1,4 +1,5 @@
-"""vmalloc.offload.models: the shipped recorded sequences (no torch needed to load them)."""
+"""vmalloc.offload.sequence.models: the shipped recorded sequences (no torch needed to load
+them)."""
 
 import os
 import subprocess
@@ -8,7 +9,7 @@ import pytest
 
 from vmalloc.errors import InvalidArgumentError
 from vmalloc.offload import MODELS, FunctionSequence, model_sequence
-from vmalloc.offload.models import data_path
+from vmalloc.offload.sequence.models import data_path
 
 # name -> (parameters, functions, variables, persistent variables, BatchNorm buffer bytes)
 EXPECTED = {

@@ -5,8 +5,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from vmalloc.offload import model_sequence  # noqa: E402
-from vmalloc.offload.recorder import record  # noqa: E402
-from vmalloc.offload.torch_models import BUILDERS, build  # noqa: E402
+from vmalloc.offload.sequence.recorder import record  # noqa: E402
+from vmalloc.offload.sequence.torch_models import BUILDERS, build  # noqa: E402
 
 
 def _params(model):
@@ -53,7 +53,7 @@ def test_resnet50_forward_on_cpu_shapes():
 
 
 def test_gpt_attention_is_causal_sdpa_on_cpu():
-    from vmalloc.offload.torch_models import GPT
+    from vmalloc.offload.sequence.torch_models import GPT
 
     torch.manual_seed(0)
     model = GPT(vocab_size=11, n_ctx=8, n_layer=2, d_model=16, n_head=2).eval()

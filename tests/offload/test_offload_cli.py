@@ -43,7 +43,7 @@ def test_simulate_fixed_budget_out_of_memory(capsys, tmp_path):
 
 
 def test_saved_sequence_file(capsys, tmp_path):
-    from vmalloc.offload.models import model_sequence
+    from vmalloc.offload.sequence.models import model_sequence
 
     path = tmp_path / "r.json.gz"
     model_sequence("resnet50", 32).save(path)
@@ -187,7 +187,7 @@ def test_train_refuses_a_fraction_that_leaves_no_device(capsys):
 @pytest.mark.parametrize("steps", ["1001", "100000000000000000000"])
 def test_train_refuses_steps_past_the_bound_before_any_work(capsys, monkeypatch, steps):
     # 10**20 steps was an OverflowError traceback (the data of every step is made up front).
-    from vmalloc.offload import numpy_training
+    from vmalloc.frameworks import numpy_training
 
     monkeypatch.setattr(numpy_training, "train", lambda *a, **k: pytest.fail("trained"))
     code, out, err = run(capsys, "train", "--steps", steps)
@@ -197,7 +197,7 @@ def test_train_refuses_steps_past_the_bound_before_any_work(capsys, monkeypatch,
 
 def test_compare_refuses_bad_steps_and_fractions():
     from vmalloc.errors import InvalidArgumentError
-    from vmalloc.offload.numpy_training import compare
+    from vmalloc.frameworks.numpy_training import compare
 
     for kwargs, message in ((dict(steps=10 ** 20), "steps must be 2 to 1,000, got 10"),
                             (dict(fraction=0.0), "fraction must be in (0, 1], got 0.0")):

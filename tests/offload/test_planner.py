@@ -3,9 +3,9 @@
 import pytest
 
 from vmalloc.errors import InvalidArgumentError
-from vmalloc.offload.planner import _largest, max_batch, plan
-from vmalloc.offload.sequence import FunctionSequence
-from vmalloc.offload.simulator import simulate
+from vmalloc.offload.planning.planner import _largest, max_batch, plan
+from vmalloc.offload.sequence.sequence import FunctionSequence
+from vmalloc.offload.simulation.simulator import simulate
 
 MiB = 1 << 20
 
@@ -32,7 +32,7 @@ def test_window_plan_is_feasible_and_beats_nothing_fitting():
     seq = chain(24)                      # 12 x 96 MiB activations: ~1.3 GiB in core
     gpu = "v100-16gb"
     small = 1 << 30                       # a 1 GiB device: in-core does not fit
-    from vmalloc.offload.gpus import get_gpu
+    from vmalloc.offload.hardware.gpus import get_gpu
     g = get_gpu(gpu).with_(memory_bytes=small)
     assert simulate(seq, None, gpu=g).out_of_memory
     p = plan(seq, g, "window", "virtual")
@@ -60,7 +60,7 @@ def test_largest_search():
 
 
 def test_max_batch_in_core_and_window():
-    from vmalloc.offload.gpus import get_gpu
+    from vmalloc.offload.hardware.gpus import get_gpu
     g = get_gpu("v100-16gb").with_(memory_bytes=1 << 30)
     b_in, p_in = max_batch(chain, g, "none", "caching", start=4, resolution=0.0)
     assert b_in > 0 and p_in.feasible
@@ -70,7 +70,7 @@ def test_max_batch_in_core_and_window():
 
 
 def test_golden_section_finds_the_edge_of_a_cliff():
-    from vmalloc.offload.planner import golden_max
+    from vmalloc.offload.planning.planner import golden_max
     calls = []
 
     def f(x):                      # rises to 0.83, then out of memory (None)
@@ -83,9 +83,9 @@ def test_golden_section_finds_the_edge_of_a_cliff():
 
 
 def test_plan_searches_between_grid_points():
-    from vmalloc.offload.gpus import get_gpu
-    from vmalloc.offload.planner import BUDGET_FRACTIONS, WINDOWS
-    from vmalloc.offload.schedulers import make_scheduler
+    from vmalloc.offload.hardware.gpus import get_gpu
+    from vmalloc.offload.planning.planner import BUDGET_FRACTIONS, WINDOWS
+    from vmalloc.offload.scheduling.schedulers import make_scheduler
     seq = chain(24)
     g = get_gpu("v100-16gb").with_(memory_bytes=1 << 30)
     p = plan(seq, g, "window", "virtual")
@@ -109,7 +109,7 @@ def _both_cliffs(x):
 
 
 def test_golden_section_ties_go_toward_the_best_point_known():
-    from vmalloc.offload.planner import golden_max
+    from vmalloc.offload.planning.planner import golden_max
     # both first probes (0.689, 0.806) are infeasible: without a known point the search
     # cannot tell the side (the old rule took the lower one and never left 0.5)
     assert golden_max(_both_cliffs, 0.5, 0.995, 0.005) is None
@@ -125,8 +125,8 @@ def test_plan_leaves_an_infeasible_plateau_below_the_grid_best(monkeypatch):
     the planner stayed at 0.9, moving 118.5 GB, where 0.98 moves 111.5 GB and runs faster)."""
     from types import SimpleNamespace
 
-    from vmalloc.offload import planner
-    from vmalloc.offload.gpus import get_gpu
+    from vmalloc.offload.planning import planner
+    from vmalloc.offload.hardware.gpus import get_gpu
     mem = 1 << 30
 
     def fake(seq, name, params, *a, **k):
@@ -146,8 +146,8 @@ def test_plan_simulates_each_distinct_schedule_once_with_the_same_results(monkey
     """Nearby parameters often give the same steps: a plan simulates each distinct schedule
     once (counted), and a reused simulation is exactly what simulating that schedule gives
     (its own params and budget included)."""
-    import vmalloc.offload.planner as planner
-    from vmalloc.offload.gpus import get_gpu
+    import vmalloc.offload.planning.planner as planner
+    from vmalloc.offload.hardware.gpus import get_gpu
 
     seq = chain(24)
     g = get_gpu("v100-16gb").with_(memory_bytes=1 << 30)

@@ -10,11 +10,11 @@ from hypothesis import given, settings, strategies as st
 from vmalloc.cli import main
 from vmalloc.errors import InvalidArgumentError
 from vmalloc.offload import FunctionSequence, simulate
-from vmalloc.offload.gpus import GPU
-from vmalloc.offload.models import model_sequence
-from vmalloc.offload.profiles import (CALIBRATIONS, PEAK_FLOPS, apply_precision,
+from vmalloc.offload.hardware.gpus import GPU
+from vmalloc.offload.sequence.models import model_sequence
+from vmalloc.offload.simulation.profiles import (CALIBRATIONS, PEAK_FLOPS, apply_precision,
                                       host_chain_seconds, profiled_gpu)
-from vmalloc.offload.simulator import in_core_seconds
+from vmalloc.offload.simulation.simulator import in_core_seconds
 
 
 def _gpu(**kw):

@@ -7,9 +7,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vmalloc.offload import FunctionSequence, InCoreScheduler, ScheduleError, simulate
-from vmalloc.offload.gpus import get_gpu
-from vmalloc.offload.planner import plan, schedule_with_choices
-from vmalloc.offload.recompute import (MIN_GAP, compressible, recompute_candidates,
+from vmalloc.offload.hardware.gpus import get_gpu
+from vmalloc.offload.planning.planner import plan, schedule_with_choices
+from vmalloc.offload.scheduling.recompute import (MIN_GAP, compressible, recompute_candidates,
                                        with_recompute)
 
 MiB = 1 << 20
@@ -183,7 +183,7 @@ def test_plan_considers_recompute_and_it_pays_when_the_link_is_slow():
 
 def test_plan_table_counts_each_choice_and_names_the_bottleneck():
     from vmalloc.offload import Schedule, Step
-    from vmalloc.offload.plan_report import format_plan, plan_table
+    from vmalloc.offload.planning.plan_report import format_plan, plan_table
 
     one = FunctionSequence(batch=1)
     a = one.add_variable(GB, name="a", per_sample_bytes=GB)

@@ -1,4 +1,4 @@
-"""vmalloc.offload.recorder: one training iteration of a tiny module, checked op by op."""
+"""vmalloc.offload.sequence.recorder: one training iteration of a tiny module, checked op by op."""
 
 import pytest
 
@@ -8,7 +8,7 @@ F = torch.nn.functional
 
 from vmalloc.errors import InvalidArgumentError  # noqa: E402
 from vmalloc.offload import FunctionSequence  # noqa: E402
-from vmalloc.offload.recorder import RecordingError, record  # noqa: E402
+from vmalloc.offload.sequence.recorder import RecordingError, record  # noqa: E402
 
 
 class Tiny(nn.Module):
@@ -241,7 +241,7 @@ def test_record_roundtrips_through_a_file(tmp_path):
 
 def test_package_attribute_is_the_function():
     import vmalloc.offload as off
-    import vmalloc.offload.recorder  # noqa: F401  (the module has its own name)
+    import vmalloc.offload.sequence.recorder  # noqa: F401  (the module has its own name)
 
     with torch.device("meta"):
         model = Tiny()

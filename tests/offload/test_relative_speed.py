@@ -7,9 +7,9 @@ import pytest
 
 from vmalloc.cli import main
 from vmalloc.offload import simulate
-from vmalloc.offload.gpus import GPUS, LE_IN_CORE
-from vmalloc.offload.models import model_sequence
-from vmalloc.offload.planner import in_core_reference
+from vmalloc.offload.hardware.gpus import GPUS, LE_IN_CORE
+from vmalloc.offload.sequence.models import model_sequence
+from vmalloc.offload.planning.planner import in_core_reference
 
 
 def run(capsys, *argv):

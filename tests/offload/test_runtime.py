@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 import vmalloc
 from vmalloc.errors import InvalidArgumentError, InvalidPointerError
-from vmalloc.offload import numpy_training as nt
+from vmalloc.frameworks import numpy_training as nt
 from vmalloc.offload.runtime import Runtime
 
 MiB = 1 << 20

@@ -407,7 +407,7 @@ def _faulty_program(rt, sizes, steps, iterations):
     """Like test_runtime's random programs, retrying whatever a refused swap failed: an
     allocation, an iteration's start, a function's entry (its body then runs on the retry);
     a function whose exit failed has run."""
-    from vmalloc.offload import numpy_training as nt
+    from vmalloc.frameworks import numpy_training as nt
 
     pers = [_retrying(lambda s=s: rt.allocate(s)) for s in sizes]
     for k, p in enumerate(pers):

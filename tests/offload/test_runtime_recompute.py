@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 import vmalloc
 from vmalloc.errors import InvalidArgumentError
 from vmalloc.offload import Runtime
-from vmalloc.offload.numpy_training import compare, train
+from vmalloc.frameworks.numpy_training import compare, train
 from vmalloc.offload.runtime.recompute import RecomputeError
 
 MiB = 1 << 20

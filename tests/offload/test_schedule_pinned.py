@@ -6,8 +6,8 @@ import hashlib
 import random
 
 from vmalloc.offload import FunctionSequence, ScheduleError, WindowScheduler
-from vmalloc.offload.planner import schedule_with_choices
-from vmalloc.offload.recompute import recompute_candidates, with_recompute
+from vmalloc.offload.planning.planner import schedule_with_choices
+from vmalloc.offload.scheduling.recompute import recompute_candidates, with_recompute
 
 NAMES = ["f", "aten.relu_.default", "aten.native_batch_norm.default", "conv_backward",
          "aten.add.Tensor"]

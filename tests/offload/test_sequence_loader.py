@@ -1,5 +1,5 @@
-"""The function-sequence loader's bounds (vmalloc/offload/_sequence_file.py): numbers past a
-double's range, non-regular files and memory bounded by the decoded content; and the same
+"""The function-sequence loader's bounds (vmalloc/offload/sequence/_sequence_file.py): numbers
+past a double's range, non-regular files and memory bounded by the decoded content; and the same
 answers as decoding the whole JSON (``FunctionSequence.from_dict(json.loads(...))``) on random
 files, valid or not."""
 
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import vmalloc
 from vmalloc.offload import FunctionSequence, SequenceFormatError
-from vmalloc.offload import sequence as sequence_module
+from vmalloc.offload.sequence import sequence as sequence_module
 
 HEAD = {"format": "vmalloc-function-sequence", "version": 1, "name": "x", "batch": None,
         "meta": {}}
@@ -205,7 +205,7 @@ def test_a_record_past_the_length_bound_is_refused_without_reading_the_rest(tmp_
                                                                              monkeypatch):
     # One function of 120 million ids (a 233 KB gzip) raised MemoryError in the regular
     # expression's backtracking stack.
-    from vmalloc.offload import _sequence_file
+    from vmalloc.offload.sequence import _sequence_file
 
     monkeypatch.setattr(_sequence_file, "MAX_RECORD_CHARS", 1000)
     skipped = []

@@ -5,10 +5,10 @@ import math
 import pytest
 
 from vmalloc.errors import InvalidArgumentError
-from vmalloc.offload.gpus import GPU, GPUS, get_gpu
-from vmalloc.offload.schedule import Schedule, Step
-from vmalloc.offload.sequence import FunctionSequence
-from vmalloc.offload.simulator import in_core_seconds, simulate
+from vmalloc.offload.hardware.gpus import GPU, GPUS, get_gpu
+from vmalloc.offload.scheduling.schedule import Schedule, Step
+from vmalloc.offload.sequence.sequence import FunctionSequence
+from vmalloc.offload.simulation.simulator import in_core_seconds, simulate
 
 MiB = 1 << 20
 GB = 10**9

@@ -20,7 +20,7 @@ from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 import vmalloc.torch as vtorch  # noqa: E402
 from vmalloc.errors import InvalidArgumentError  # noqa: E402
 from vmalloc.frameworks.torch_compile import CPU_LINK_GBPS, _mark_offloads  # noqa: E402
-from vmalloc.offload.schedule import ScheduleError  # noqa: E402
+from vmalloc.offload.scheduling.schedule import ScheduleError  # noqa: E402
 
 BATCH, WIDTH, DEPTH, STEPS = 2048, 256, 4, 3
 LOSS = torch.nn.functional.cross_entropy

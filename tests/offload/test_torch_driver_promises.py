@@ -99,7 +99,7 @@ def test_scheduled_run_keeps_the_budget_and_its_stats_after_the_block():
 
 
 def test_an_unmeetable_budget_is_said_once_and_strict_raises():
-    from vmalloc.offload.schedule import ScheduleError
+    from vmalloc.offload.scheduling.schedule import ScheduleError
     data = batches(3)
     with pytest.warns(UserWarning, match="no schedule fits the budget") as said:
         train(data, budget=640 << 10, scheduler="none")

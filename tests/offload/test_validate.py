@@ -7,8 +7,8 @@ import json
 import pytest
 
 from vmalloc.cli import main
-from vmalloc.offload.published import ROWS
-from vmalloc.offload.validate import format_validation, validate
+from vmalloc.offload.simulation.published import ROWS
+from vmalloc.offload.planning.validate import format_validation, validate
 
 #: (gpu, profile, precision, run, batch, published images/s) -> (role, signed error now)
 EXPECTED = {

@@ -1,5 +1,5 @@
-"""The window scheduler's compiled main loop (vmalloc/offload/_window_loop.pyx, issue 22 item 6)
-makes exactly the decisions of the Python loop it replaced, which stays as the reference
+"""The window scheduler's compiled main loop (vmalloc/offload/scheduling/_window_loop.pyx, issue
+22 item 6) makes exactly the decisions of the Python loop it replaced, which stays as the reference
 (``WindowScheduler._schedule_py``, also the one that records ``trace=``)."""
 
 import importlib.util

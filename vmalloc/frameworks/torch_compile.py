@@ -9,8 +9,8 @@
    the meta device by :func:`vmalloc.offload.record` (the out-of-core runtime's rules for what
    an op reads and writes), so recording needs no memory at all.
 2. **Plan.** :func:`vmalloc.offload.plan` searches the window scheduler with recompute as a
-   choice (:mod:`vmalloc.offload.recompute`) at the given budget, simulating a GPU whose link
-   runs at ``link_gbps``.
+   choice (:mod:`vmalloc.offload.scheduling.recompute`) at the given budget, simulating a GPU
+   whose link runs at ``link_gbps``.
 3. **Map.** Each activation the forward produces gets the plan's decision: swapped out in the
    forward and swapped back in the backward ("across the turn") -> ``MUST_CPU_OFFLOAD``;
    recomputed -> ``MUST_RECOMPUTE``; otherwise ``MUST_SAVE``. An op with several outputs takes
@@ -52,7 +52,7 @@ import functools
 from collections import Counter
 
 from vmalloc.errors import InvalidArgumentError
-from vmalloc.offload import aten_ops
+from vmalloc.offload.sequence import aten_ops
 
 __all__ = ["CompilePolicy", "compile_out_of_core", "measured_link_gbps", "offloading_config",
            "policy", "CPU_LINK_GBPS"]
@@ -103,7 +103,7 @@ def _forward_keys(model, args):
     torch = _torch()
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import flop_registry
-    from vmalloc.offload.recorder import _make_mode, _to_device, _Trace
+    from vmalloc.offload.sequence.recorder import _make_mode, _to_device, _Trace
     trace, keys, seen = _Trace(), [], Counter()
 
     class Count(TorchDispatchMode):
@@ -254,14 +254,14 @@ def policy(model, example, loss_fn=None, budget=None, link_gbps=None, optimizer=
         optimizer: as for :func:`vmalloc.offload.record` (``"sgd"``, a factory or None).
         gpu: the simulator's GPU model (compute speed, memory); its link is set to
             ``link_gbps``.
-        strict: raise :class:`vmalloc.offload.schedule.ScheduleError` when no plan fits the
-            budget, instead of warning once and saving everything.
+        strict: raise :class:`vmalloc.offload.ScheduleError` when no plan fits the budget,
+            instead of warning once and saving everything.
     """
     torch = _torch()
     from vmalloc.offload import plan as make_plan, record
-    from vmalloc.offload.gpus import get_gpu
-    from vmalloc.offload.recorder import _split_inputs
-    from vmalloc.offload.schedule import ScheduleError
+    from vmalloc.offload.hardware.gpus import get_gpu
+    from vmalloc.offload.sequence.recorder import _split_inputs
+    from vmalloc.offload.scheduling.schedule import ScheduleError
     from vmalloc.sizes import parse_size
     if not isinstance(model, torch.nn.Module):
         raise InvalidArgumentError(f"model must be a torch.nn.Module, got {type(model).__name__}")

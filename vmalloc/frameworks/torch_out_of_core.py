@@ -1,7 +1,7 @@
 """Out-of-core training of an unmodified PyTorch training step.
 
 A ``TorchDispatchMode`` sees every aten op with its tensors. Each op that moves data (the rules
-of :mod:`vmalloc.offload.aten_ops`, shared with the recorder) becomes a function of the
+of :mod:`vmalloc.offload.sequence.aten_ops`, shared with the recorder) becomes a function of the
 :class:`~vmalloc.offload.Runtime`, driven through its public driver protocol only: the storages
 it reads and writes are made resident before it runs, the storages it creates are adopted as
 transient buffers after, and the runtime runs its schedule (swap-outs after functions, swap-ins
@@ -46,7 +46,7 @@ from vmalloc.frameworks.torch_predict import predicted_bytes
 from vmalloc.frameworks.torch_state import Kinds, Readers, Storages, leaving, make_mode
 from vmalloc.frameworks.torch_subclass import is_wrapper, plain_tensors
 from vmalloc.frameworks.torch_unpredicted import Unpredicted
-from vmalloc.offload import aten_ops
+from vmalloc.offload.sequence import aten_ops
 from vmalloc.offload.runtime import Runtime
 
 __all__ = ["CudaSwap", "OutOfCore", "PoisonSwap", "out_of_core"]

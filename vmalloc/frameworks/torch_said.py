@@ -10,7 +10,7 @@ import warnings
 
 def unschedulable(self):
     """The runtime of this tree does not say that no schedule fits: say it (once)."""
-    from vmalloc.offload.schedule import ScheduleError
+    from vmalloc.offload.scheduling.schedule import ScheduleError
     error = getattr(self.runtime, "last_schedule_error", None)
     message = (f"no schedule fits the budget of {self.runtime.budget} bytes ({error}); "
                "iterations run on demand and may exceed the budget")

@@ -12,47 +12,50 @@ with adaptive window-based scheduling*:
 - :func:`simulate` runs a schedule on a model of a GPU, every allocation through a real vmalloc
   allocator; :func:`plan` picks a scheduler's parameters by simulation.
 
-Names are imported on first use, so ``import vmalloc.offload`` stays cheap.
+Names are imported on first use, so ``import vmalloc.offload`` stays cheap. The modules live
+in one folder per concern (``swap``, ``sequence``, ``hardware``, ``scheduling``, ``simulation``,
+``runtime``, ``planning``, ``cli``), layered one way (docs/architecture.rst, "The offload
+package"); this module only re-exports their public names.
 """
 
 import importlib
 
 # name -> submodule that defines it
 _EXPORTS = {
-    "SwapManager": "_swap_manager",
-    "FunctionSequence": "sequence",
-    "Variable": "sequence",
-    "Function": "sequence",
-    "SequenceFormatError": "sequence",
-    "Schedule": "schedule",
-    "Step": "schedule",
-    "ScheduleError": "schedule",
-    "WindowScheduler": "window",
-    "LMSScheduler": "lms",
-    "VDNNScheduler": "vdnn",
-    "InCoreScheduler": "in_core",
-    "make_scheduler": "schedulers",
-    "SCHEDULERS": "schedulers",
-    "simulate": "simulator",
-    "SimulationResult": "simulator",
-    "GPU": "gpus",
-    "GPUS": "gpus",
-    "get_gpu": "gpus",
-    "profiled_gpu": "profiles",
-    "apply_precision": "profiles",
-    "PROFILES": "profiles",
-    "PRECISIONS": "profiles",
-    "validate": "validate",
-    "plan": "planner",
-    "Plan": "planner",
-    "max_batch": "planner",
-    "model_sequence": "models",
-    "MODELS": "models",
+    "SwapManager": "swap",
+    "FunctionSequence": "sequence.sequence",
+    "Variable": "sequence.sequence",
+    "Function": "sequence.sequence",
+    "SequenceFormatError": "sequence.sequence",
+    "Schedule": "scheduling.schedule",
+    "Step": "scheduling.schedule",
+    "ScheduleError": "scheduling.schedule",
+    "WindowScheduler": "scheduling.window",
+    "LMSScheduler": "scheduling.lms",
+    "VDNNScheduler": "scheduling.vdnn",
+    "InCoreScheduler": "scheduling.in_core",
+    "make_scheduler": "scheduling.schedulers",
+    "SCHEDULERS": "scheduling.schedulers",
+    "simulate": "simulation.simulator",
+    "SimulationResult": "simulation.simulator",
+    "GPU": "hardware.gpus",
+    "GPUS": "hardware.gpus",
+    "get_gpu": "hardware.gpus",
+    "profiled_gpu": "simulation.profiles",
+    "apply_precision": "simulation.profiles",
+    "PROFILES": "simulation.profiles",
+    "PRECISIONS": "simulation.profiles",
+    "validate": "planning.validate",
+    "plan": "planning.planner",
+    "Plan": "planning.planner",
+    "max_batch": "planning.planner",
+    "model_sequence": "sequence.models",
+    "MODELS": "sequence.models",
     "Runtime": "runtime",
     "Buffer": "runtime",
     "BudgetWarning": "runtime",
-    "record": "recorder",
-    "RecordingError": "recorder",
+    "record": "sequence.recorder",
+    "RecordingError": "sequence.recorder",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from vmalloc.errors import InvalidArgumentError
 
-#: Compressed formats the runtime executes (as vmalloc.offload.recompute.COMPRESSIONS).
+#: Compressed formats the runtime executes (as vmalloc.offload.scheduling.recompute.COMPRESSIONS).
 FORMATS = ("fp16", "bf16")
 
 #: The counters :meth:`Runtime.stats` adds for compression.
@@ -113,7 +113,7 @@ class Compression:
         if compress is None:
             return
         if not hasattr(self.swap, "swap_out_compressed"):
-            from vmalloc.offload import SwapManager
+            from vmalloc.offload.swap import SwapManager
             if not isinstance(self.swap, SwapManager):
                 raise InvalidArgumentError(
                     f"compress={compress!r}: the swap backend {type(self.swap).__name__} cannot "

@@ -60,8 +60,8 @@ class Runtime(Compression, Residency, Recording, Following, Divergence, Recomput
             by functions that have a ``rerun`` (see :meth:`call`) may be dropped after its last
             use before a long gap and recomputed before its next use, when that plan fits the
             budget and moves fewer bytes (docs/runtime.rst, "Recompute").
-        gpu: the GPU model (:mod:`vmalloc.offload.gpus`) whose link and compute times decide
-            what is worth recomputing (default ``"v100-16gb"``, the paper's).
+        gpu: the GPU model (:mod:`vmalloc.offload.hardware.gpus`) whose link and compute times
+            decide what is worth recomputing (default ``"v100-16gb"``, the paper's).
         compress: None (default: lossless), ``"fp16"`` or ``"bf16"``: float32 transient
             buffers are swapped in that format, half the bytes on the link, and read back
             cast to float32 (lossy; see docs/runtime.rst).
@@ -93,7 +93,7 @@ class Runtime(Compression, Residency, Recording, Following, Divergence, Recomput
                 self.budget = capacity
         self.window = None if window is None else parse_size(window, "window")
         if swap is None:
-            from vmalloc.offload import SwapManager
+            from vmalloc.offload.swap import SwapManager
             swap = SwapManager(allocator, host_capacity=host_capacity)
         self.swap = swap
         # Budgets and schedules count the device bytes a buffer really takes: on the virtual

@@ -71,8 +71,8 @@ class Recomputation:
     def _recompute_plan(self, seq, scheduler, base):
         """A schedule of ``seq`` with recompute when it fits the budget and moves fewer bytes
         than ``base`` (None when ``base`` failed), else None."""
-        from vmalloc.offload.recompute import recompute_candidates, with_recompute
-        from vmalloc.offload.schedule import ScheduleError
+        from vmalloc.offload.scheduling.recompute import recompute_candidates, with_recompute
+        from vmalloc.offload.scheduling.schedule import ScheduleError
 
         fns = seq.functions
         rerunnable = self._record_rerunnable

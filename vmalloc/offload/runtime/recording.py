@@ -86,8 +86,8 @@ class Recording:
         self._record_persistent = [b for b in self._buffers.values() if b.persistent]
 
     def _build_schedule(self):
-        from vmalloc.offload.sequence import FunctionSequence
-        from vmalloc.offload.schedule import ScheduleError
+        from vmalloc.offload.sequence.sequence import FunctionSequence
+        from vmalloc.offload.scheduling.schedule import ScheduleError
 
         seq = FunctionSequence(name="runtime")
         var_of = {}
@@ -161,7 +161,7 @@ class Recording:
 
     def _unschedulable(self, seq, error):
         """Says (once) that no schedule fits; raises under ``strict``."""
-        from vmalloc.offload.schedule import ScheduleError
+        from vmalloc.offload.scheduling.schedule import ScheduleError
 
         named = getattr(error, "function", None)
         need = getattr(error, "needed_bytes", None)
@@ -191,7 +191,7 @@ class Recording:
         spec = self._scheduler_spec
         if hasattr(spec, "schedule"):
             return spec
-        from vmalloc.offload.schedulers import make_scheduler
+        from vmalloc.offload.scheduling.schedulers import make_scheduler
         if spec == "none" or (spec == "window" and self.budget is None):
             # No budget (a backend without a device, and none given): nothing need swap.
             return make_scheduler("none")

@@ -45,9 +45,9 @@ _SIZE_PARAMS = ("window", "budget")
 
 def add_parser(sub):
     """Adds ``offload`` and its subcommands to ``sub`` (an argparse subparsers object)."""
-    from vmalloc.offload.cli_profiles import add_profile_arguments, add_validate_parser
-    from vmalloc.offload.schedulers import SCHEDULERS
-    from vmalloc.offload.simulator import ALLOCATORS
+    from vmalloc.offload.cli.cli_profiles import add_profile_arguments, add_validate_parser
+    from vmalloc.offload.scheduling.schedulers import SCHEDULERS
+    from vmalloc.offload.simulation.simulator import ALLOCATORS
 
     p = sub.add_parser("offload", help="out-of-core training: train on the emulated device, "
                                        "or simulate swap schedules on a model of a GPU",
@@ -133,15 +133,15 @@ def add_parser(sub):
 
 def _sequence(model, batch, precision=None):
     """The model's sequence at ``batch``, its activations as ``precision`` stores them."""
-    from vmalloc.offload.profiles import apply_precision
+    from vmalloc.offload.simulation.profiles import apply_precision
 
     seq = _recorded_sequence(model, batch)
     return seq if precision is None else apply_precision(seq, precision)
 
 
 def _recorded_sequence(model, batch):
-    from vmalloc.offload.models import MODELS, model_sequence
-    from vmalloc.offload.sequence import FunctionSequence
+    from vmalloc.offload.sequence.models import MODELS, model_sequence
+    from vmalloc.offload.sequence.sequence import FunctionSequence
 
     if model in MODELS:
         try:
@@ -173,8 +173,8 @@ def _recorded_sequence(model, batch):
 
 def _gpu(name, profile=None, precision=None, purpose="predict"):
     """The GPU model ``name`` with its profile's and precision's calibrated constants."""
-    from vmalloc.offload.gpus import GPUS
-    from vmalloc.offload.profiles import profiled_gpu
+    from vmalloc.offload.hardware.gpus import GPUS
+    from vmalloc.offload.simulation.profiles import profiled_gpu
 
     if name.lower() not in GPUS:
         raise OffloadCliError(f"--gpu {name}: unknown GPU; choose from {', '.join(GPUS)}")
@@ -184,8 +184,8 @@ def _gpu(name, profile=None, precision=None, purpose="predict"):
 def _reference(model, gpu):
     """(in-core limit batch, its images/s) of ``model`` on ``gpu`` (at its precision's
     bytes), or None when nothing runs in core."""
-    from vmalloc.offload.models import MODELS
-    from vmalloc.offload.planner import in_core_reference
+    from vmalloc.offload.sequence.models import MODELS
+    from vmalloc.offload.planning.planner import in_core_reference
 
     key = (model if model in MODELS and gpu.precision != "amp"
            else (lambda b: _sequence(model, b, gpu.precision)))
@@ -194,8 +194,8 @@ def _reference(model, gpu):
 
 
 def _simulate(args):
-    from vmalloc.offload.planner import plan
-    from vmalloc.offload.simulator import simulate
+    from vmalloc.offload.planning.planner import plan
+    from vmalloc.offload.simulation.simulator import simulate
 
     if args.batch is not None and args.batch < 1:
         raise OffloadCliError(f"--batch must be positive, got {args.batch}")
@@ -228,7 +228,7 @@ def _simulate(args):
         d["planned"] = {"params": p.params, "tried": p.tried, "feasible": p.feasible,
                         "reason": p.reason}
         if args.plan and p.feasible:
-            from vmalloc.offload.plan_report import plan_table
+            from vmalloc.offload.planning.plan_report import plan_table
 
             d["plan"] = plan_table(seq, p.schedule, r)
         json.dump(d, sys.stdout, indent=2)
@@ -241,13 +241,13 @@ def _simulate(args):
         if r.out_of_memory:
             print(f"out of memory: {r.oom_message}")
         if args.plan and p.feasible:
-            from vmalloc.offload.plan_report import format_plan, plan_table
+            from vmalloc.offload.planning.plan_report import format_plan, plan_table
 
             print(format_plan(plan_table(seq, p.schedule, r)))
     if args.plot:
         if r.timeline is None:
             raise OffloadCliError("nothing to plot: the simulation ran out of memory")
-        from vmalloc.offload.timeline import plot_timeline
+        from vmalloc.offload.simulation.timeline import plot_timeline
 
         plot_timeline(r, args.plot)
         print(f"timeline written to {args.plot}", file=sys.stderr)
@@ -282,8 +282,8 @@ def table(model="resnet50", gpu="v100-16gb", batches=None, progress=False, choic
     ``choices``: also the columns of :data:`CHOICE_COLUMNS` (recompute, compression).
     ``gpu`` by name gets ``profile`` and ``precision`` (default: the paper's ``nnabla`` where
     calibrated); a :class:`GPU` is used as it is."""
-    from vmalloc.offload.planner import in_core_reference, plan
-    from vmalloc.offload.simulator import simulate
+    from vmalloc.offload.planning.planner import in_core_reference, plan
+    from vmalloc.offload.simulation.simulator import simulate
 
     gpu = _gpu(gpu, profile, precision, "paper") if isinstance(gpu, str) else gpu
     seq_fn = (lambda b: _sequence(model, b, gpu.precision))
@@ -334,7 +334,7 @@ def table(model="resnet50", gpu="v100-16gb", batches=None, progress=False, choic
         rows.append(row)
     if progress:
         print(file=sys.stderr)
-    from vmalloc.offload.simulator import link_description
+    from vmalloc.offload.simulation.simulator import link_description
 
     return {"model": model, "gpu": gpu.name, "profile": gpu.profile,
             "precision": gpu.precision, "link": link_description(gpu),
@@ -347,7 +347,7 @@ def _fmt(x, width=8):
 
 
 def _table(args):
-    from vmalloc.offload.cli_profiles import ratio_cells
+    from vmalloc.offload.cli.cli_profiles import ratio_cells
 
     batches = None
     if args.batches:
@@ -406,7 +406,7 @@ def _table(args):
 
 
 def _models(args):
-    from vmalloc.offload.models import MODELS, model_sequence
+    from vmalloc.offload.sequence.models import MODELS, model_sequence
 
     for name in MODELS:
         print(model_sequence(name).summary())
@@ -414,7 +414,7 @@ def _models(args):
 
 
 def _gpus(args):
-    from vmalloc.offload.cli_profiles import print_gpus
+    from vmalloc.offload.cli.cli_profiles import print_gpus
 
     return print_gpus()
 
@@ -422,7 +422,7 @@ def _gpus(args):
 def _train(args):
     import json
 
-    from vmalloc.offload.numpy_training import MAX_STEPS, compare
+    from vmalloc.frameworks.numpy_training import MAX_STEPS, compare
 
     if args.steps < 2:
         raise OffloadCliError(f"--steps must be at least 2 (one recorded iteration, one "
@@ -473,7 +473,7 @@ def _train(args):
 def run(args):
     """Runs the parsed ``offload`` command; returns the exit status. Raises OffloadCliError
     (and VmallocError, OSError) for the caller to print as one line."""
-    from vmalloc.offload.cli_profiles import run_validate
+    from vmalloc.offload.cli.cli_profiles import run_validate
 
     return {"simulate": _simulate, "table": _table, "train": _train, "models": _models,
             "gpus": _gpus, "validate": run_validate}[args.offload_command](args)

@@ -51,8 +51,9 @@ from itertools import chain
 import numpy as np
 
 from vmalloc.errors import InvalidArgumentError
-from vmalloc.offload._window_loop import uses_and_next, window_loop
-from vmalloc.offload.schedule import Schedule, ScheduleError, Step, empty_steps, paused_gc
+from vmalloc.offload.scheduling._window_loop import uses_and_next, window_loop
+from vmalloc.offload.scheduling.schedule import (Schedule, ScheduleError, Step, empty_steps,
+                                                 paused_gc)
 from vmalloc.sizes import format_size, parse_size
 
 _ABSENT, _ON_HOST, _HELD, _SWAPPING_OUT, _DROPPING = range(5)

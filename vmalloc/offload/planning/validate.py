@@ -20,10 +20,10 @@ __all__ = ["validate", "format_validation"]
 
 
 def _simulate_row(row, refs):
-    from vmalloc.offload.models import model_sequence
-    from vmalloc.offload.planner import in_core_reference, plan
-    from vmalloc.offload.profiles import apply_precision, profiled_gpu
-    from vmalloc.offload.simulator import in_core_seconds
+    from vmalloc.offload.sequence.models import model_sequence
+    from vmalloc.offload.planning.planner import in_core_reference, plan
+    from vmalloc.offload.simulation.profiles import apply_precision, profiled_gpu
+    from vmalloc.offload.simulation.simulator import in_core_seconds
 
     gpu = profiled_gpu(row.gpu, row.profile, row.precision)
 
@@ -56,7 +56,7 @@ def validate(rows=None, progress=False) -> dict:
     the paper's in-core limit defines it."""
     import sys
 
-    from vmalloc.offload.published import ROWS
+    from vmalloc.offload.simulation.published import ROWS
 
     rows = ROWS if rows is None else rows
     refs = {}

@@ -85,7 +85,7 @@ ROWS = _rows()
 
 
 def _compute_only_ips(seq, gpu):
-    from vmalloc.offload.simulator import in_core_seconds
+    from vmalloc.offload.simulation.simulator import in_core_seconds
 
     return seq.batch / in_core_seconds(seq, gpu)
 
@@ -105,7 +105,7 @@ def fit_efficiency(seq, gpu, images_per_second, lo=0.01, hi=1.0) -> float:
 
 
 def calibrating_row(fam, profile, precision) -> Optional[Row]:
-    from vmalloc.offload.profiles import family
+    from vmalloc.offload.simulation.profiles import family
 
     for row in ROWS:
         if (row.role == "calibrates" and family(row.gpu) == fam and row.profile == profile
@@ -118,9 +118,9 @@ def calibrating_row(fam, profile, precision) -> Optional[Row]:
 def calibrated_efficiency(fam, profile, precision) -> float:
     """The efficiency the calibrating row of (``fam``, ``profile``, ``precision``) gives (see
     :data:`vmalloc.offload.profiles.CALIBRATIONS`), fitted on the shipped sequence."""
-    from vmalloc.offload.gpus import get_gpu
-    from vmalloc.offload.models import model_sequence
-    from vmalloc.offload.profiles import CALIBRATIONS, PEAK_FLOPS, apply_precision
+    from vmalloc.offload.hardware.gpus import get_gpu
+    from vmalloc.offload.sequence.models import model_sequence
+    from vmalloc.offload.simulation.profiles import CALIBRATIONS, PEAK_FLOPS, apply_precision
 
     row = calibrating_row(fam, profile, precision)
     cal = CALIBRATIONS.get((fam, profile, precision))

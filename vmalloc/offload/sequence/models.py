@@ -1,7 +1,7 @@
 """Recorded training iterations of well-known models, shipped with vmalloc.
 
-``model_sequence(name, batch)`` loads ``vmalloc/offload/data/<name>.json.gz`` (recorded from the
-``torch.nn`` definitions in :mod:`vmalloc.offload.torch_models` by
+``model_sequence(name, batch)`` loads ``vmalloc/offload/sequence/data/<name>.json.gz``
+(recorded from the ``torch.nn`` definitions in :mod:`vmalloc.offload.sequence.torch_models` by
 ``benchmarks/record_sequences.py``) and scales it to ``batch``. Loading needs no torch.
 
 =============  =====================================================  ==================
@@ -26,7 +26,7 @@ import os
 from typing import Optional
 
 from vmalloc.errors import InvalidArgumentError
-from vmalloc.offload.sequence import FunctionSequence
+from vmalloc.offload.sequence.sequence import FunctionSequence
 
 __all__ = ["MODELS", "model_sequence", "data_path"]
 

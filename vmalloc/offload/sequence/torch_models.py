@@ -2,7 +2,7 @@
 
 Written with ``torch.nn`` only (torchvision's PyPI wheels are CUDA builds that do not import on
 a CPU-only torch). Each model comes with ``inputs_fn(batch)`` (returning ``(args, target)`` as
-:func:`vmalloc.offload.recorder.record` takes them) and a cross-entropy loss:
+:func:`vmalloc.offload.sequence.recorder.record` takes them) and a cross-entropy loss:
 
 =============  ==============================================================  ===========
 name           model                                                            parameters

@@ -22,8 +22,8 @@ freed after their last, as in-core.
 from __future__ import annotations
 
 from vmalloc.errors import InvalidArgumentError
-from vmalloc.offload.in_core import in_core_steps
-from vmalloc.offload.schedule import Schedule
+from vmalloc.offload.scheduling.in_core import in_core_steps
+from vmalloc.offload.scheduling.schedule import Schedule
 
 
 def forward_end_of(seq) -> int:

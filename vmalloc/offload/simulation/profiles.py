@@ -153,8 +153,8 @@ def profiled_gpu(gpu, profile=None, precision=None, purpose="predict"):
     """The GPU model ``gpu`` (a name or a :class:`GPU`) with ``profile``'s and ``precision``'s
     calibrated constants: peak, efficiency, per-function costs, and both names recorded on it.
     Raises InvalidArgumentError naming what is calibrated when the combination is not."""
-    from vmalloc.offload.gpus import get_gpu
-    from vmalloc.offload import published
+    from vmalloc.offload.hardware.gpus import get_gpu
+    from vmalloc.offload.simulation import published
 
     base = get_gpu(gpu)
     profile = profile or default_profile(base, purpose)
@@ -201,7 +201,7 @@ def apply_precision(seq, precision):
             f"unknown precision {precision!r}; choose from {', '.join(PRECISIONS)}")
     if precision != "amp" or seq.meta.get("precision") == "amp":
         return seq
-    from vmalloc.offload.sequence import FunctionSequence
+    from vmalloc.offload.sequence.sequence import FunctionSequence
 
     out = FunctionSequence(seq.name, seq.batch, dict(seq.meta, precision="amp"))
     for v in seq.variables:

@@ -1,5 +1,6 @@
-# vmalloc.offload._window_loop, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
+# vmalloc.offload.scheduling._window_loop, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
 from typing import Any
 
 def uses_and_next(functions, nvar, managed) -> Any: ...
+
 def window_loop(n, nvar, sizes, persistent, fvar, fnext, bounds, fnin, first_reads, outs, out_bounds, state, hvalid, held, budget, window, use_drop, step_type) -> Any: ...

@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
 """The window scheduler's main loop, compiled (issue 22 item 6: 10^5 functions in a second).
 
-The same decisions, in the same order, as the Python loop in ``vmalloc/offload/window.py``
+The same decisions, in the same order, as the Python loop in ``window.py`` beside it
 (``WindowScheduler._schedule_py``), which stays as the reference (and serves ``trace=``):
 ``tests/offload/test_window_compiled.py`` compares the two step by step, and
 ``tests/offload/test_schedule_pinned.py`` pins the schedules. Byte figures are C ``int64``:
@@ -104,7 +104,7 @@ def window_loop(int64_t n, int64_t nvar, const int64_t[::1] sizes,
                 const int64_t[::1] out_bounds, unsigned char[::1] state,
                 unsigned char[::1] hvalid, int64_t held, int64_t budget, int64_t window,
                 bint use_drop, step_type):
-    """The steps (``step_type`` objects, :class:`~vmalloc.offload.schedule.Step`).
+    """The steps (``step_type`` objects, :class:`~vmalloc.offload.scheduling.schedule.Step`).
     ``fvar[bounds[i]:bounds[i+1]]`` are function i's managed variables (reads first, ``fnin[i]``
     of them), ``fnext`` their next uses (window.py's encoding), ``outs`` / ``out_bounds`` every
     output of each function. ``state`` and ``hvalid`` are the initial states, updated in place.

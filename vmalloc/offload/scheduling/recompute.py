@@ -32,11 +32,11 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from operator import itemgetter
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List
 
 from vmalloc.errors import InvalidArgumentError
-from vmalloc.offload.schedule import ScheduleError, paused_gc
-from vmalloc.offload.sequence import Function, FunctionSequence, Variable
+from vmalloc.offload.scheduling.schedule import ScheduleError, paused_gc
+from vmalloc.offload.sequence.sequence import Function, FunctionSequence, Variable
 
 __all__ = ["check_recompute", "Recompute", "recompute_candidates", "with_recompute", "compressible",
            "COMPRESSIONS", "MIN_GAP"]
@@ -111,7 +111,7 @@ def recompute_candidates(seq, gpu, ratio=1.0, compute_bound=False, eligible=None
     """The transient variables worth recomputing on ``gpu`` (see the module docstring), largest
     saving first. ``eligible(v, chain)``: whether the caller can recompute variable ``v`` by
     re-running ``chain`` (function indices) at all (a runtime: every function has a rerun)."""
-    from vmalloc.offload.gpus import get_gpu
+    from vmalloc.offload.hardware.gpus import get_gpu
 
     gpu = get_gpu(gpu)
     with paused_gc():

@@ -24,7 +24,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import zlib
 from typing import Iterable, List, NamedTuple, Optional
 
 from vmalloc.errors import InvalidArgumentError, VmallocError
@@ -111,7 +110,7 @@ class FunctionSequence:
         y = seq.add_variable(1 << 20)
         seq.add_function(inputs=[x, w], outputs=[y], flops=2e9, name="matmul")
 
-    or record it from PyTorch (:mod:`vmalloc.offload.recorder`), or load a saved one.
+    or record it from PyTorch (:mod:`vmalloc.offload.sequence.recorder`), or load a saved one.
     """
 
     def __init__(self, name: str = "", batch: Optional[int] = None, meta: Optional[dict] = None):
@@ -278,7 +277,7 @@ class FunctionSequence:
         the record for anything that is not a valid sequence, and for what is not a regular
         file (a FIFO). Reads at most MAX_FILE_BYTES (decompressed) and decodes one record at
         a time: memory is bounded by the text and the sequence (``_sequence_file``)."""
-        from vmalloc.offload import _sequence_file
+        from vmalloc.offload.sequence import _sequence_file
 
         path = os.fspath(path)
         text = _sequence_file.read_text(

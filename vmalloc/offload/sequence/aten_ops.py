@@ -1,7 +1,7 @@
 """Which aten ops are functions, and which storages each reads and writes.
 
 One set of rules for everything that watches PyTorch's aten ops through a dispatch mode: the
-recorder (:mod:`vmalloc.offload.recorder`, on the meta device) and the out-of-core driver
+recorder (:mod:`vmalloc.offload.sequence.recorder`, on the meta device) and the out-of-core driver
 (:mod:`vmalloc.frameworks.torch_out_of_core`, on live tensors).
 
 - **Not functions**: pure view and metadata ops (the schema says ``func.is_view``, or the op is

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
-from vmalloc.offload.profiles import PRECISIONS, PROFILES
+from vmalloc.offload.simulation.profiles import PRECISIONS, PROFILES
 
 __all__ = ["add_profile_arguments", "add_validate_parser", "run_validate", "gpu_profile_lines",
            "print_gpus", "ratio_cells"]
@@ -38,8 +38,8 @@ def add_validate_parser(osub):
 
 
 def run_validate(args):
-    from vmalloc.offload.published import ROWS
-    from vmalloc.offload.validate import format_validation, validate
+    from vmalloc.offload.simulation.published import ROWS
+    from vmalloc.offload.planning.validate import format_validation, validate
 
     rows = [r for r in ROWS if r.run == "in-core"] if args.in_core_only else None
     v = validate(rows, progress=sys.stderr.isatty() and not args.json)
@@ -53,7 +53,7 @@ def run_validate(args):
 
 def gpu_profile_lines(gpu):
     """``vmalloc offload gpus``: one line per calibrated profile and precision of ``gpu``."""
-    from vmalloc.offload.profiles import CALIBRATIONS, family, profiled_gpu
+    from vmalloc.offload.simulation.profiles import CALIBRATIONS, family, profiled_gpu
 
     fam = family(gpu)
     out = []
@@ -70,7 +70,7 @@ def gpu_profile_lines(gpu):
 
 def print_gpus():
     """``vmalloc offload gpus``: each raw GPU model, then its calibrated profiles."""
-    from vmalloc.offload.gpus import GPUS
+    from vmalloc.offload.hardware.gpus import GPUS
     from vmalloc.sizes import format_size
 
     for g in GPUS.values():

@@ -43,8 +43,8 @@ from typing import Dict, List, Optional
 
 from vmalloc import allocator_kinds
 from vmalloc.errors import InvalidArgumentError
-from vmalloc.offload.gpus import get_gpu
-from vmalloc.offload.sim_memory import _OOM, _Engine, _Memory
+from vmalloc.offload.hardware.gpus import get_gpu
+from vmalloc.offload.simulation.sim_memory import _OOM, _Engine, _Memory
 from vmalloc.sizes import parse_size
 
 __all__ = ["simulate", "SimulationResult", "ALLOCATORS", "in_core_seconds", "function_seconds"]
@@ -178,7 +178,7 @@ def in_core_seconds(seq, gpu) -> float:
     (under ``pytorch-eager``, no kernel before its launch on the host timeline)."""
     gpu = get_gpu(gpu)
     if gpu.host_seconds:
-        from vmalloc.offload.profiles import host_chain_seconds
+        from vmalloc.offload.simulation.profiles import host_chain_seconds
 
         return host_chain_seconds(function_seconds(seq, gpu), gpu.host_seconds)
     return math.fsum(function_seconds(seq, gpu))
@@ -272,7 +272,7 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
     recompute_s = math.fsum(durations[k] for k in rc.origin) if rc is not None else 0.0
     in_core = compute - recompute_s
     if gpu.host_seconds:   # pytorch-eager: the launches bound the compute-only time too
-        from vmalloc.offload.profiles import host_chain_seconds
+        from vmalloc.offload.simulation.profiles import host_chain_seconds
 
         origin = rc.origin if rc is not None else ()
         compute = host_chain_seconds(durations, gpu.host_seconds)
@@ -465,7 +465,7 @@ def _run_iteration(seq, schedule, gpu, durations, mem, record, release_completed
 def _in_core_schedule(seq):
     """Everything resident: persistent variables from the start, transients allocated before
     first use, freed after last use."""
-    from vmalloc.offload.schedule import Schedule, Step
+    from vmalloc.offload.scheduling.schedule import Schedule, Step
 
     steps = [Step() for _ in seq.functions]
     uses = seq.uses()

@@ -1,4 +1,4 @@
-# vmalloc.offload._swap_manager, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
+# vmalloc.offload.swap._swap_manager, compiled: its stub, by scripts/make-stubs (docs in the .pyx).
 from typing import Any
 
 from vmalloc.sizes import parse_optional_size as parse_optional_size

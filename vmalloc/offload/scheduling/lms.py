@@ -30,8 +30,8 @@ variable without reading it are not swapped (the variable stays allocated).
 from __future__ import annotations
 
 from vmalloc.errors import InvalidArgumentError
-from vmalloc.offload.in_core import in_core_steps
-from vmalloc.offload.schedule import Schedule
+from vmalloc.offload.scheduling.in_core import in_core_steps
+from vmalloc.offload.scheduling.schedule import Schedule
 
 
 def _count(value, what, minimum):

@@ -257,7 +257,7 @@ _STATE_NAMES = ("absent", "on_host", "swapping_in", "resident", "swapping_out")
 
 def _check(sched, seq, budget):
     if sched.recompute is not None:
-        from vmalloc.offload.recompute import check_recompute
+        from vmalloc.offload.scheduling.recompute import check_recompute
 
         seq = check_recompute(sched, seq)
     nvar = len(seq.variables)

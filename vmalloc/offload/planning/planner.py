@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from vmalloc.errors import InvalidArgumentError
-from vmalloc.offload.gpus import get_gpu
-from vmalloc.offload.schedule import ScheduleError, paused_gc
-from vmalloc.offload.schedulers import SCHEDULERS, make_scheduler
-from vmalloc.offload.simulator import simulate
+from vmalloc.offload.hardware.gpus import get_gpu
+from vmalloc.offload.scheduling.schedule import ScheduleError, paused_gc
+from vmalloc.offload.scheduling.schedulers import SCHEDULERS, make_scheduler
+from vmalloc.offload.simulation.simulator import simulate
 from vmalloc.sizes import parse_size
 
 __all__ = ["plan", "Plan", "max_batch", "BUDGET_FRACTIONS", "WINDOWS", "in_core_reference",
@@ -92,7 +92,7 @@ def _schedule_with_choices(seq, name, params, gpu, recompute, compress):
     base = make_scheduler(name, **params).schedule(seq)
     sched = base
     if recompute:
-        from vmalloc.offload.recompute import recompute_candidates, with_recompute
+        from vmalloc.offload.scheduling.recompute import recompute_candidates, with_recompute
 
         vs = recompute_candidates(seq, gpu, compute_bound=(recompute == "all"))
         if vs:
@@ -106,7 +106,7 @@ def _schedule_with_choices(seq, name, params, gpu, recompute, compress):
                 if alt.moved_bytes_total(seq) <= base.moved_bytes_total(seq):
                     sched = alt
     if compress:
-        from vmalloc.offload.recompute import COMPRESSIONS, compressible
+        from vmalloc.offload.scheduling.recompute import COMPRESSIONS, compressible
 
         if compress not in COMPRESSIONS:
             raise InvalidArgumentError(f"unknown compression {compress!r}; choose from "
@@ -331,7 +331,7 @@ def _seq_fn(model):
     if callable(model):
         return model
     if isinstance(model, str):
-        from vmalloc.offload.models import model_sequence
+        from vmalloc.offload.sequence.models import model_sequence
 
         return lambda b: model_sequence(model, b)
     if hasattr(model, "at_batch"):

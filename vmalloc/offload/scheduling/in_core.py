@@ -7,7 +7,7 @@ allocated before its first use and freed after its last. Its planned peak is
 
 from __future__ import annotations
 
-from vmalloc.offload.schedule import Schedule, Step
+from vmalloc.offload.scheduling.schedule import Schedule, Step
 
 
 def in_core_steps(seq):

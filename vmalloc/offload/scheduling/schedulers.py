@@ -13,13 +13,13 @@ def make_scheduler(name: str, **params):
     ``window``: window, budget, persistent; ``lms``: swapout_threshold, swapin_ahead;
     ``vdnn``: forward_end; ``none``: nothing."""
     if name == "window":
-        from vmalloc.offload.window import WindowScheduler as cls
+        from vmalloc.offload.scheduling.window import WindowScheduler as cls
     elif name == "lms":
-        from vmalloc.offload.lms import LMSScheduler as cls
+        from vmalloc.offload.scheduling.lms import LMSScheduler as cls
     elif name == "vdnn":
-        from vmalloc.offload.vdnn import VDNNScheduler as cls
+        from vmalloc.offload.scheduling.vdnn import VDNNScheduler as cls
     elif name == "none":
-        from vmalloc.offload.in_core import InCoreScheduler as cls
+        from vmalloc.offload.scheduling.in_core import InCoreScheduler as cls
     else:
         raise InvalidArgumentError(
             f"unknown scheduler {name!r}; choose one of {', '.join(SCHEDULERS)}")

@@ -10,13 +10,13 @@ every aten op:
   persistent; inputs, activations, gradients and temporaries are transient (gradients are
   assumed freed by ``zero_grad(set_to_none=True)`` after the step).
 - a *function* is one aten op that reads or writes storage data, and what it reads and writes
-  comes from its schema: the rules of :mod:`vmalloc.offload.aten_ops`, which the out-of-core
-  driver uses too (views, metadata and allocation-only ops are not functions; mutable
+  comes from its schema: the rules of :mod:`vmalloc.offload.sequence.aten_ops`, which the
+  out-of-core driver uses too (views, metadata and allocation-only ops are not functions; mutable
   arguments are written, and read unless overwritten whole; ``ones_like``-style ops do not read
   their template). ``outputs`` are the mutated arguments plus the returned storages.
 - autograd's gradient accumulation is recorded as eager PyTorch runs it: in place
   (``aten.add_.Tensor``) where eager adds in place, although under the recorder's dispatch
-  mode autograd adds out of place (see :func:`vmalloc.offload.aten_ops.is_accumulation`).
+  mode autograd adds out of place (see :func:`vmalloc.offload.sequence.aten_ops.is_accumulation`).
 - FLOPs come from ``torch.utils.flop_counter.flop_registry`` (the formulas FlopCounterMode
   uses: matmuls, convolutions and their backward, attention); every other op gets ``0`` FLOPs
   and a simulator charges it by the bytes it touches.
@@ -35,8 +35,8 @@ import copy
 from typing import Callable, Optional, Sequence
 
 from vmalloc.errors import InvalidArgumentError, VmallocError
-from vmalloc.offload import aten_ops
-from vmalloc.offload.sequence import FunctionSequence
+from vmalloc.offload.sequence import aten_ops
+from vmalloc.offload.sequence.sequence import FunctionSequence
 
 __all__ = ["record", "RecordingError", "sgd"]
 
