@@ -3,7 +3,8 @@
     base (errors, sizes, _core.stats) <- device (vmalloc._core: the compiled device, chunk
     pool and allocator wrappers; the driver emulator) <- alloc (allocator_kinds) <- trace
     (vmalloc.traces) <- replay (vmalloc.replay with its stress patterns, plot and verdict;
-    bench) <- offload <- frameworks (vmalloc.frameworks, torch, cupy, nnabla, cuda_core) <-
+    bench) <- offload (with its page streams, offload.pages) <- frameworks (vmalloc.frameworks,
+    torch, cupy, nnabla, cuda_core, xgboost) <-
     cli (vmalloc.cli with doctor and probe, offload.cli)
 
 A module may import modules of its own layer and of the layers below it, never of a layer
@@ -44,11 +45,13 @@ LAYERS = {
     "vmalloc.bench": "replay",
     "vmalloc.offload": "offload",
     "vmalloc.offload.cli": "cli",
+    "vmalloc.offload.pages": "offload",  # page streams: the swap manager's staging, no framework
     "vmalloc.frameworks": "frameworks",
     "vmalloc.torch": "frameworks",
     "vmalloc.cupy": "frameworks",
     "vmalloc.nnabla": "frameworks",
     "vmalloc.cuda_core": "frameworks",
+    "vmalloc.xgboost": "frameworks",
     "vmalloc.cli": "cli",  # with its errors, doctor and probe
     "vmalloc.__main__": "cli",
 }
