@@ -21,6 +21,7 @@ def make(host_capacity=None):
 
 
 def assert_nothing_left(va, manager):
+    assert va.device.state()["events"] == 0
     s = manager.stats()
     assert (s["host_bytes_in_use"], s["host_blocks_in_use"]) == (0, 0)
     assert va.stats().live_allocations == 0

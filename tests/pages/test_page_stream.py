@@ -29,6 +29,7 @@ def assert_nothing_left(dev, va, manager):
     s = manager.stats()
     assert (s["host_bytes_in_use"], s["host_blocks_in_use"]) == (0, 0)
     assert va.stats().live_allocations == 0
+    assert dev.state()["events"] == 0      # every copy and slot event destroyed
     manager.release_cached_host()
     assert dev.state()["host_allocations"] == 0
 
