@@ -24,12 +24,12 @@ from vmalloc.sizes import parse_optional_size
 
 
 class _Load:
-    __slots__ = ("index", "target", "slot", "block", "future", "event")
+    __slots__ = ("index", "target", "slot", "block", "future", "slot_event")
 
-    def __init__(self, index, target, slot, block, future):
-        self.index, self.target, self.slot, self.block, self.future = \
-            index, target, slot, block, future
-        self.event = None   # recorded on the h2d stream once the copy is issued
+    def __init__(self, index, target, slot, block, slot_event):
+        self.index, self.target, self.slot, self.block = index, target, slot, block
+        self.slot_event = slot_event   # the consumer's release of the slot, or None
+        self.future = None             # -> (bytes read from disk, the copy's event)
 
 
 class PageStream:
@@ -150,7 +150,8 @@ class PageStream:
             return gather(self, rows)
 
     def stats(self):
-        """A dict: ``pages_served``, ``pages_copied``, ``bytes_copied`` (host to device),
+        """A dict: ``pages_served``, ``pages_copied`` and ``bytes_copied`` (host to device;
+        a prefetched copy counts once the stream has waited for it or dropped it),
         ``bytes_read_from_disk``, ``resident_hits`` (pages served from the resident cache),
         ``host_waits`` and ``host_wait_seconds`` (the consumer waited for a page read),
         ``evicted_prefetches`` (prefetched pages dropped for a random access),
@@ -217,17 +218,38 @@ class PageStream:
             if not self._free_slots:
                 self._evict()
             target = slot = self._free_slots.pop()
-        block = None
         try:
             block = _staging.stage(self.manager, max(nbytes, 1))
-            future = self._pool.submit(self._source.read_into, index, block, _staging.fill)
         except BaseException:
-            if block is not None:
-                _staging.unstage(self.manager, block)
             if slot is not None:
                 self._free_slots.append(slot)
             raise
-        return _Load(index, target, slot, block, future)
+        load = _Load(index, target, slot, block, self._slot_free_event.pop(slot, None))
+        try:
+            load.future = self._pool.submit(self._read_and_copy, load)
+        except BaseException:
+            self._drop(load)
+            raise
+        return load
+
+    def _read_and_copy(self, load):
+        """On a worker thread: reads the page into its staging block and issues its copy on
+        the manager's host-to-device stream at once (after the consumer's release of the
+        slot), so the copy overlaps the consumer's work on the page before. Returns (bytes
+        read from disk, the copy's event)."""
+        disk = self._source.read_into(load.index, load.block, _staging.fill)
+        device, nbytes = self.device, self._source.nbytes[load.index]
+        if load.slot_event is not None:
+            device.wait_event(self._h2d, load.slot_event)
+        if nbytes:
+            device.copy_to_device(load.target, load.block, nbytes, stream=self._h2d)
+        event = device.create_event()
+        try:
+            device.record_event(event, stream=self._h2d)
+        except BaseException:
+            device.destroy_event(event)
+            raise
+        return disk, event
 
     def _evict(self, load=None):
         """Frees a slot for a page asked out of order: drops ``load``, by default the latest
@@ -241,33 +263,38 @@ class PageStream:
         self._drop(load)
         self._counts["evicted_prefetches"] += 1
 
+    def _settle(self, load):
+        """The load's (bytes read, copy event) once its worker is done, its copy counted, the
+        slot's release event destroyed; raises the worker's error."""
+        try:
+            disk, event = load.future.result() if load.future is not None else (0, None)
+        finally:
+            if load.slot_event is not None:
+                self.device.destroy_event(load.slot_event)
+                load.slot_event = None
+        if event is not None:
+            self._counts["bytes_read_from_disk"] += disk
+            self._counts["pages_copied"] += 1
+            self._counts["bytes_copied"] += self._source.nbytes[load.index]
+        return event
+
     def _drop(self, load):
         """Abandons a load: waits for its read (errors dropped: the page was not asked for)
         and its copy, returns its block and slot."""
         try:
-            load.future.result()
+            event = self._settle(load)
         except BaseException:
-            pass
-        if load.event is not None:
-            self.device.synchronize_event(load.event)
-            self._retired.append((load.block, load.event))
+            event = None
+            # A failed worker may have issued the copy before failing: the block is reused
+            # only once the stream has drained.
+            self.device.synchronize_stream(self._h2d)
+        if event is not None:
+            self.device.synchronize_event(event)
+            self._retired.append((load.block, event))
         else:
             _staging.unstage(self.manager, load.block)
         if load.slot is not None:
             self._free_slots.append(load.slot)
-
-    def _issue_copy(self, load):
-        if load.slot is not None and load.slot in self._slot_free_event:
-            event = self._slot_free_event.pop(load.slot)
-            self.device.wait_event(self._h2d, event)
-            self.device.destroy_event(event)
-        nbytes = self._source.nbytes[load.index]
-        if nbytes:
-            self.device.copy_to_device(load.target, load.block, nbytes, stream=self._h2d)
-        load.event = self.device.create_event()
-        self.device.record_event(load.event, stream=self._h2d)
-        self._counts["pages_copied"] += 1
-        self._counts["bytes_copied"] += nbytes
 
     def _finish(self, load):
         """Page ``load.index`` read and its copy issued; the consumer's stream waits for it."""
@@ -279,21 +306,19 @@ class PageStream:
                     load.future.exception()
                 finally:
                     self._counts["host_wait_seconds"] += time.perf_counter() - began
-            self._counts["bytes_read_from_disk"] += load.future.result()
-            if load.event is None:
-                self._issue_copy(load)
+            event = self._settle(load)
         except BaseException:
             self._drop(load)
             raise
-        self.device.wait_event(self.stream, load.event)
-        self._retired.append((load.block, load.event))
+        self._retired.append((load.block, event))
+        self.device.wait_event(self.stream, event)
         if load.slot is None:
             self._loaded.add(load.index)
         return load.target
 
     def _prefetch_after(self, index):
-        """Starts the reads of the next ``prefetch`` pages needing a copy (wrapping around:
-        the next pass), and issues the copies of reads already done."""
+        """Starts the reads (and copies) of the next ``prefetch`` pages needing a copy
+        (wrapping around: the next pass)."""
         count, want = len(self), self.plan.prefetch
         ahead = []
         for step in range(1, count):
@@ -314,11 +339,6 @@ class PageStream:
                     break
                 self._evict(stale[-1])
             self._loads[j] = self._start(j)
-        for load in self._loads.values():
-            if load.event is None and load.future.done() and load.future.exception() is None:
-                self._counts["bytes_read_from_disk"] += load.future.result()
-                self._issue_copy(load)
-                load.future = _Done(0)   # its disk bytes are counted
 
     def _reap(self, wait=False):
         """Returns the staging blocks whose copies have completed."""
@@ -351,19 +371,3 @@ class PageStream:
         p = self.plan
         return (f"<PageStream {len(self)} pages, {len(p.resident)} resident, {p.slots} slots "
                 f"of {p.slot_bytes} bytes, prefetch {p.prefetch}>")
-
-
-class _Done:
-    """A finished future's stand-in, once its result has been accounted."""
-
-    def __init__(self, value):
-        self._value = value
-
-    def done(self):
-        return True
-
-    def exception(self):
-        return None
-
-    def result(self):
-        return self._value
