@@ -1,6 +1,7 @@
 """vmalloc.offload.PageStream on the emulated device: bytes exact, the resident cache, the
 prefetch plan, memmap files, callables, gather, and the counts of stats()."""
 
+import ctypes
 import warnings
 
 import numpy as np
@@ -25,11 +26,12 @@ def pages_of(rows, cols=1024, seed=0):
     return [rng.standard_normal((r, cols)).astype(np.float32) for r in rows]
 
 
-def assert_nothing_left(dev, va, manager):
+def assert_nothing_left(dev, va, manager, events=0):
     s = manager.stats()
     assert (s["host_bytes_in_use"], s["host_blocks_in_use"]) == (0, 0)
     assert va.stats().live_allocations == 0
-    assert dev.state()["events"] == 0      # every copy and slot event destroyed
+    if events is not None:
+        assert dev.state()["events"] == events   # every copy and slot event destroyed
     manager.release_cached_host()
     assert dev.state()["host_allocations"] == 0
 
@@ -169,3 +171,94 @@ def test_the_stream_is_exported_and_its_allocator_form_owns_a_manager():
         stream.page(0)
     with pytest.raises(vmalloc.InvalidArgumentError, match="an allocator or a manager"):
         PageStream(pages)
+
+
+def test_a_slot_is_refilled_only_after_the_consumers_work_on_its_last_page():
+    # A held consumer stream is a kernel still reading page 0 when page 1 is asked for: the
+    # copy of page 1 into the same slot must wait for it (on the device).
+    dev, va, manager = make()
+    consumer = dev.create_stream()
+    pages = pages_of([4, 4], cols=256)             # 4 KiB each, one slot
+    out = dev.host_alloc(4 * KiB)
+    with PageStream(pages, manager=manager, prefetch=0, budget=4 * KiB,
+                    stream=consumer) as stream:
+        first = stream.page(0)
+        hold = dev.hold_stream(consumer)
+        dev.copy_to_host(out, first.ptr, 4 * KiB, stream=consumer)   # the "kernel"
+        second = stream.page(1)
+        assert second.ptr == first.ptr
+        dev.release_hold(hold)
+        dev.synchronize()
+        assert ctypes.string_at(out, 4 * KiB) == pages[0].tobytes()
+        np.testing.assert_array_equal(second.to_numpy(), pages[1])
+    dev.host_free(out)
+    # Events not counted here: the allocator keeps its own for frees on a non-default stream.
+    assert_nothing_left(dev, va, manager, events=None)
+
+
+def test_the_consumers_stream_waits_for_the_copy_on_the_device():
+    # The manager's copy stream held: page() returns at once (the read is done, the copy is
+    # queued), and work queued on the consumer's stream still sees the page's bytes.
+    dev, va, manager = make()
+    consumer = dev.create_stream()
+    pages = pages_of([4], cols=256)
+    out = dev.host_alloc(4 * KiB)
+    with PageStream(pages, manager=manager, stream=consumer) as stream:
+        hold = dev.hold_stream(manager.streams[1])
+        page = stream.page(0)
+        dev.copy_to_host(out, page.ptr, 4 * KiB, stream=consumer)
+        dev.release_hold(hold)
+        dev.synchronize()
+        assert ctypes.string_at(out, 4 * KiB) == pages[0].tobytes()
+    dev.host_free(out)
+    # Events not counted here: the allocator keeps its own for frees on a non-default stream.
+    assert_nothing_left(dev, va, manager, events=None)
+
+
+def test_on_the_strict_driver_emulator_no_call_is_a_misuse():
+    # The driver emulator checks every CUDA call (pinned sources of async copies, event and
+    # stream lifetimes) and reports misuse.
+    from vmalloc import testing
+    dev = testing.emulated_cuda_device(capacity="64MiB", granularity="2MiB")
+    va = vmalloc.VirtualAllocator(dev)
+    manager = offload.SwapManager(va)
+    pages = pages_of([16] * 6)
+    with PageStream(pages, manager=manager, prefetch=2, budget=4 * 64 * KiB) as stream:
+        for _ in range(2):
+            for page in stream:
+                np.testing.assert_array_equal(page.to_numpy(), pages[page.index])
+        for i in (0, 4, 2, 5):
+            np.testing.assert_array_equal(stream.page(i).to_numpy(), pages[i])
+        got = stream.gather([1, 40, 90])
+        np.testing.assert_array_equal(got.to_numpy(), np.concatenate(pages)[[1, 40, 90]])
+    s = manager.stats()
+    assert (s["host_bytes_in_use"], va.stats().live_allocations) == (0, 0)
+    report = testing.emulator().leak_report(dev.ordinal)
+    assert [line for line in report.splitlines() if "misuse" in line] == [], report
+
+
+def test_threads_sharing_a_stream_are_served_exact_pages():
+    import threading
+    dev, va, manager = make()
+    pages = pages_of([4] * 5, cols=256)
+    errors = []
+    with PageStream(pages, manager=manager, prefetch=2) as stream:   # all resident
+
+        def work(k):
+            try:
+                for n in range(40):
+                    i = (n * (k + 1)) % 5
+                    np.testing.assert_array_equal(stream.page(i).to_numpy(), pages[i])
+                    stream.stats()
+            except BaseException as error:
+                errors.append(error)
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        s = stream.stats()
+    assert errors == []
+    assert (s["pages_served"], s["pages_copied"], s["resident_hits"]) == (120, 5, 115)
+    assert_nothing_left(dev, va, manager)
