@@ -67,7 +67,7 @@ def make_plan(nbytes, budget, prefetch, strict=False):
                    f"prefetch lowered from {prefetch} to {depth}")
         if strict:
             raise OutOfMemoryError(message)
-        warnings.warn(message, PrefetchWarning, stacklevel=4)
+        warnings.warn(message, PrefetchWarning, stacklevel=3)   # the PageStream(...) call
     slots = depth + 1
     room = budget - slots * largest
     resident = set()
