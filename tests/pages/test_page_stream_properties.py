@@ -2,6 +2,8 @@
 page served holds exactly its bytes, resident pages keep their pointer and are copied once,
 gather equals NumPy's fancy indexing, and nothing is left once the stream is closed."""
 
+import os
+import tempfile
 import warnings
 
 import numpy as np
@@ -24,7 +26,7 @@ def scenarios(draw):
     prefetch = draw(st.integers(0, 4))
     accesses = draw(st.lists(st.integers(0, len(rows) - 1), max_size=20))
     gather = draw(st.lists(st.integers(0, sum(rows) - 1), max_size=12))
-    source = draw(st.sampled_from(["arrays", "callable"]))
+    source = draw(st.sampled_from(["arrays", "callable", "memmap"]))
     return rows, budget, prefetch, accesses, gather, source
 
 
@@ -42,6 +44,14 @@ def test_pages_are_exact_resident_pages_stable_and_nothing_leaks(scenario):
         pages = [np.resize(p, (max(rows), 16)).astype(np.float32) for p in pages]
         args = dict(count=len(pages), dtype="float32", page_shape=(max(rows), 16))
         src = pages.__getitem__
+    elif source == "memmap":
+        # Views of one file on disk: every copy is a read from disk.
+        tmp = tempfile.TemporaryDirectory()
+        path = os.path.join(tmp.name, "pages.f32")
+        np.concatenate(pages).tofile(path)
+        whole = np.memmap(path, dtype=np.float32, mode="r", shape=(sum(rows), 16))
+        offsets = np.cumsum([0] + rows)
+        args, src = {}, [whole[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
     else:
         args, src = {}, pages
     with warnings.catch_warnings():
@@ -61,6 +71,8 @@ def test_pages_are_exact_resident_pages_stable_and_nothing_leaks(scenario):
         assert s["pages_served"] == len(order)
         used = stream.plan.device_bytes + s["resident_bytes"]
         assert budget is None or used <= budget
+        disk = s["bytes_copied"] if source == "memmap" else 0
+        assert s["bytes_read_from_disk"] == disk
         if rows_to_gather:
             flat = np.concatenate(pages)
             rows_to_gather = [r % len(flat) for r in rows_to_gather]
