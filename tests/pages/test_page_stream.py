@@ -86,6 +86,18 @@ def test_memmap_pages_and_views_of_one_file_are_read_from_disk(tmp_path):
     assert_nothing_left(dev, va, manager)
 
 
+def test_a_copy_on_write_memmap_page_is_copied_from_memory_with_its_writes(tmp_path):
+    dev, va, manager = make()
+    path = tmp_path / "cow.f32"
+    np.zeros((4, 1024), np.float32).tofile(path)
+    page = np.memmap(path, dtype=np.float32, mode="c", shape=(4, 1024))
+    page[1, 2] = 7.0      # private to this mapping: the file still holds zeros
+    with PageStream([page], manager=manager) as stream:
+        assert stream.page(0).to_numpy()[1, 2] == 7.0
+        assert stream.stats()["bytes_read_from_disk"] == 0
+    assert_nothing_left(dev, va, manager)
+
+
 def test_a_callable_makes_each_page_when_it_is_read_and_the_prefetch_wraps_around():
     dev, va, manager = make()
     made = []

@@ -124,6 +124,8 @@ def _file_extent(page):
     np = _numpy()
     if not isinstance(page, np.memmap) or not page.flags.c_contiguous:
         return None
+    if getattr(page, "mode", None) == "c":
+        return None   # copy-on-write: writes to the mapping never reach the file
     mm = getattr(page, "_mmap", None)
     path = getattr(page, "filename", None)
     if not isinstance(mm, mmap.mmap) or path is None:
