@@ -12,23 +12,29 @@ constant below naming the file it comes from (github.com/dmlc/xgboost, src/...):
   ``CalculateBufferSize``): ``row_stride x rows`` symbols of ``ceil(log2(total bins + 1))`` bits
   (the ``+ 1`` is the null bin; a dense matrix's row stride is its column count), plus 4 bytes
   of padding, rounded up to 4 bytes;
-* per row, every mode: the gradient pair (``GradientPair``, two floats: 8 B), the prediction
-  cache (one float), the label (one float) -- :data:`ROW_STATE_BYTES`;
-* per row the tree is grown on: the row partitioner's ``ridx_a_/ridx_b_`` (uint32) and
-  ``position_a_/position_b_`` (int32), 16 B (``tree/gpu_hist/row_partitioner.cuh``);
+* per row, every mode: the gradient pair (``GradientPair``, two floats: 8 B), the learner's
+  prediction cache (one float), the label (one float), and the updater's own
+  ``prediction_cache`` (one float, ``GPUHistMakerDevice`` in ``tree/updater_gpu_hist.cu``) --
+  :data:`ROW_STATE_BYTES`, 20 B;
+* the row partitioner's ``ridx_a_/ridx_b_`` (uint32) and ``position_a_/position_b_`` (int32),
+  16 B a row (``tree/gpu_hist/row_partitioner.cuh``): for the rows the tree is grown on, and,
+  when sampling, for every row once the tree is done (``FinalisePosition`` re-creates it for
+  ``num_row_`` rows after freeing the sample's);
 * the node histogram cache, which stops growing past ``1 << 26`` values of
   ``GradientPairPrecise`` (doubles): 512 MiB (``tree/updater_gpu_hist.cu`` ``DeviceHistogram``);
 * in core only: the batch of CSR entries (``Entry``: uint32 index + float, 8 B) copied to the
   device to build the ELLPACK, ``TotalMemory / (16 x row_stride x 8)`` rows
-  (``EllpackPageImpl::CreateHistIndices``), alive while the ELLPACK is written;
+  (``EllpackPageImpl::CreateHistIndices``), alive while the ELLPACK is written -- on the first
+  update, beside the gradients, the learner's cache and the labels but before the updater's
+  own buffers, so the in-core peak is the larger of the two phases;
 * out of core without sampling, XGBoost 1.1 concatenates every ELLPACK page into one device page
   (``tree/gpu_hist/gradient_based_sampler.cu`` ``ExternalMemoryNoSampling``): the whole matrix
   is on the device again, without the build batch, plus one 32 MiB page being copied
   (``DMatrix::kPageSize``);
 * with gradient-based sampling (``ExternalMemoryGradientBasedSampling``): per row of the data
   set the sampler's ``threshold_`` and ``grad_sum_`` (floats) and ``sample_row_index_``
-  (size_t), 16 B; per sampled row the compacted gradient pair (8 B) and the row partitioner
-  (16 B); the compacted ELLPACK page of ``f x rows`` rows; one streamed page.
+  (size_t), 16 B; the row partitioner of every row (above); per sampled row the compacted
+  gradient pair (8 B); the compacted ELLPACK page of ``f x rows`` rows; one streamed page.
 
 ``page_stream`` is what vmalloc's :class:`~vmalloc.offload.PageStream` would need instead: the
 pages stay on the host and only the working set is on the device -- ``prefetch + 1`` page slots,
@@ -51,8 +57,9 @@ SEED_ROWS = {"in_core": 9_000_000, "streamed": 13_000_000, "sampled": 85_000_000
 SEED_SAMPLING = 0.1
 
 GRADIENT_PAIR_BYTES = 8     # GradientPair: float gradient + float hessian
-#: Per row in every mode: gradient pair, prediction cache (float), label (float).
-ROW_STATE_BYTES = GRADIENT_PAIR_BYTES + 4 + 4
+#: Per row in every mode: gradient pair, the learner's prediction cache (float), label (float),
+#: the updater's prediction cache (float).
+ROW_STATE_BYTES = GRADIENT_PAIR_BYTES + 4 + 4 + 4
 ROW_PARTITIONER_BYTES = 16  # ridx_a_, ridx_b_ (uint32); position_a_, position_b_ (int32)
 SAMPLER_ROW_BYTES = 4 + 4 + 8   # threshold_, grad_sum_ (float); sample_row_index_ (size_t)
 HISTOGRAM_CACHE_BYTES = (1 << 26) * 8   # DeviceHistogram stops growing at 2^26 doubles
@@ -106,8 +113,13 @@ def device_bytes(mode, rows, layout=Layout(), *, device=V100_BYTES, sampling=SEE
     rows = int(rows)
     fixed = HISTOGRAM_CACHE_BYTES
     if mode == "in_core":
-        return (layout.ellpack_bytes(rows) + rows * (ROW_STATE_BYTES + ROW_PARTITIONER_BYTES)
-                + layout.build_batch_bytes(device) + fixed)
+        # The matrix is built on the first update, once the gradients, the learner's cache
+        # and the labels are on the device; the build batch is gone before the updater's
+        # cache, the partitioner and the histograms come: the peak is the larger phase.
+        early = GRADIENT_PAIR_BYTES + 4 + 4
+        build = layout.build_batch_bytes(device)
+        train = rows * (ROW_STATE_BYTES - early + ROW_PARTITIONER_BYTES) + fixed
+        return layout.ellpack_bytes(rows) + rows * early + max(build, train)
     if mode == "streamed":
         return (layout.ellpack_bytes(rows) + rows * (ROW_STATE_BYTES + ROW_PARTITIONER_BYTES)
                 + page_bytes + fixed)
@@ -115,8 +127,11 @@ def device_bytes(mode, rows, layout=Layout(), *, device=V100_BYTES, sampling=SEE
         if not 0 < sampling <= 1:
             raise InvalidArgumentError(f"sampling must be in (0, 1], not {sampling}")
         sampled = math.ceil(rows * sampling)
-        return (layout.ellpack_bytes(sampled) + rows * (ROW_STATE_BYTES + SAMPLER_ROW_BYTES)
-                + sampled * (GRADIENT_PAIR_BYTES + ROW_PARTITIONER_BYTES) + page_bytes + fixed)
+        # The sample's row partitioner is freed before FinalisePosition makes one for every
+        # row, so the peak holds the latter only.
+        return (layout.ellpack_bytes(sampled)
+                + rows * (ROW_STATE_BYTES + SAMPLER_ROW_BYTES + ROW_PARTITIONER_BYTES)
+                + sampled * GRADIENT_PAIR_BYTES + page_bytes + fixed)
     if mode == "page_stream":
         return (rows * (ROW_STATE_BYTES + ROW_PARTITIONER_BYTES) + (prefetch + 1) * page_bytes
                 + fixed)
