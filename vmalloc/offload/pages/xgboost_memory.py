@@ -71,7 +71,8 @@ LEFT_OUT = (
     "the caching allocator's slack and fragmentation (XGBoost 1.1 allocated through a cub "
     "caching allocator and thrust device vectors)",
     "temporary storage of sorts, scans and reductions (the sampler sorts n floats)",
-    "the quantile sketch's buffers while the cuts are built",
+    "the quantile sketch's buffers while the cuts are built (up to 80 % of the free memory, "
+    "through the caching allocator, before the matrix is allocated)",
     "evaluation sets and their prediction caches; a second output group",
     "the per-node split candidates, row segments and small vectors (a few MB)",
     "host memory: the pages' bytes on the host are not bounded here",
