@@ -4,11 +4,11 @@
     pool and allocator wrappers; the driver emulator) <- alloc (allocator_kinds) <- trace
     (vmalloc.traces) <- replay (vmalloc.replay with its stress patterns, plot and verdict;
     bench) <- offload <- frameworks (vmalloc.frameworks, torch, cupy, nnabla, cuda_core,
-    the NumPy demo) <- cli (vmalloc.cli with doctor and probe, offload.cli)
+    xgboost, the NumPy demo) <- cli (vmalloc.cli with doctor and probe, offload.cli)
 
 and inside offload, one layer per folder (docs/architecture.rst, "The offload package"):
 
-    {offload.swap, offload.sequence, offload.hardware} <- offload.scheduling <-
+    {offload.swap, offload.sequence, offload.hardware} <- {offload.scheduling, offload.pages} <-
     {offload.simulation, offload.runtime} <- offload.planning <- offload (the package's
     facade, ``vmalloc.offload``, re-exporting the public names)
 
@@ -37,7 +37,7 @@ PACKAGE = ROOT / "vmalloc"
 
 RANKS = {"base": 0, "device": 1, "alloc": 2, "trace": 3, "replay": 4,
          "offload.swap": 5, "offload.sequence": 5, "offload.hardware": 5,
-         "offload.scheduling": 6, "offload.simulation": 7, "offload.runtime": 7,
+         "offload.scheduling": 6, "offload.pages": 6, "offload.simulation": 7, "offload.runtime": 7,
          "offload.planning": 8, "offload": 9, "frameworks": 10, "cli": 11}
 
 #: Module (or package prefix) -> layer; the longest matching prefix decides.
@@ -61,12 +61,14 @@ LAYERS = {
     "vmalloc.offload.simulation": "offload.simulation",
     "vmalloc.offload.runtime": "offload.runtime",
     "vmalloc.offload.planning": "offload.planning",
+    "vmalloc.offload.pages": "offload.pages",  # page streams: the swap manager's staging
     "vmalloc.offload.cli": "cli",
     "vmalloc.frameworks": "frameworks",  # with the NumPy demo (numpy_training)
     "vmalloc.torch": "frameworks",
     "vmalloc.cupy": "frameworks",
     "vmalloc.nnabla": "frameworks",
     "vmalloc.cuda_core": "frameworks",
+    "vmalloc.xgboost": "frameworks",
     "vmalloc.cli": "cli",  # with its errors, doctor and probe
     "vmalloc.__main__": "cli",
 }
@@ -229,8 +231,8 @@ def test_every_offload_module_is_in_a_concern_folder():
     assert top == []
     folders = {name.split(".")[2] for name in modules() if name.count(".") >= 3
                and name.startswith("vmalloc.offload.")}
-    assert folders == {"swap", "sequence", "hardware", "scheduling", "simulation", "runtime",
-                       "planning", "cli"}
+    assert folders == {"swap", "sequence", "hardware", "scheduling", "pages", "simulation",
+                       "runtime", "planning", "cli"}
     assert {layer_of(f"vmalloc.offload.{f}") for f in folders} <= set(RANKS)
 
 

@@ -110,7 +110,9 @@ def test_every_compiled_module_is_in_core_or_beside_its_users():
     assert users["vmalloc.traces._trace_parse"] == {"vmalloc.traces._fast"}
     assert users["vmalloc.replay._replay"] == {"vmalloc.replay", "vmalloc.replay.run"}
     assert users["vmalloc.bench._bench"] == {"vmalloc.bench"}
-    assert users["vmalloc.offload.swap._swap_manager"] == {"vmalloc.offload.swap"}
+    assert users["vmalloc.offload.swap._swap_manager"] == {"vmalloc.offload.swap",
+                                                          "vmalloc.offload.swap._staging"}
+    assert users["vmalloc.offload.swap._staging"] == {"vmalloc.offload.swap"}
     assert users["vmalloc.offload.scheduling._window_loop"] == {
         "vmalloc.offload.scheduling.window"}
     assert "vmalloc.offload.swap._swap_manager" in users["vmalloc._core.allocator"]  # a cimport

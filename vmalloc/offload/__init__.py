@@ -9,6 +9,8 @@ with adaptive window-based scheduling*:
   and write), built in code, loaded from a file, or recorded from PyTorch.
 - Schedulers (:class:`WindowScheduler`, :class:`LMSScheduler`, :class:`VDNNScheduler`,
   :class:`InCoreScheduler`) turn a sequence into a :class:`Schedule`.
+- :class:`PageStream` streams pages of host data (arrays, files) to the device through the
+  manager's pinned staging, for data larger than the device.
 - :func:`simulate` runs a schedule on a model of a GPU, every allocation through a real vmalloc
   allocator; :func:`plan` picks a scheduler's parameters by simulation.
 
@@ -56,6 +58,8 @@ _EXPORTS = {
     "BudgetWarning": "runtime",
     "record": "sequence.recorder",
     "RecordingError": "sequence.recorder",
+    "PageStream": "pages",
+    "PageError": "pages",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -141,6 +141,10 @@ class SwapManager final : public Allocator {
   std::size_t release_cached_host();
   // True if swapping `ptr` (a live allocation) relocates it.
   bool relocates(device_ptr ptr) const;
+  // The pinned staging pool (thread-safe on its own): other streams of host data to the
+  // device (vmalloc.offload.PageStream) stage through it, so their pinned bytes count
+  // against host_capacity and show in swap_stats().host.
+  HostStagingPool& staging() noexcept { return host_; }
   stream_t d2h_stream() const noexcept { return d2h_.handle; }
   stream_t h2d_stream() const noexcept { return h2d_.handle; }
   const std::shared_ptr<Allocator>& allocator() const noexcept { return allocator_; }

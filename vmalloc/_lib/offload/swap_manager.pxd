@@ -7,7 +7,7 @@ from libcpp.pair cimport pair
 from libcpp.vector cimport vector
 
 from vmalloc._lib.alloc.allocator cimport CAllocator
-from vmalloc._lib.offload.host_staging_pool cimport CHostStagingStats
+from vmalloc._lib.offload.host_staging_pool cimport CHostStagingPool, CHostStagingStats
 from vmalloc._lib.translate cimport vmalloc_raise_py_error
 
 
@@ -61,3 +61,4 @@ cdef extern from "vmalloc/offload/swap_manager.hpp" namespace "vmalloc" nogil:
         bool relocates(uintptr_t ptr) except +vmalloc_raise_py_error
         uintptr_t d2h_stream()
         uintptr_t h2d_stream()
+        CHostStagingPool& staging()
