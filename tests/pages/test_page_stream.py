@@ -2,7 +2,6 @@
 prefetch plan, memmap files, callables, gather, and the counts of stats()."""
 
 import ctypes
-import warnings
 
 import numpy as np
 import pytest
