@@ -3,7 +3,7 @@ prefetched) to the budget at its own function, as nnabla's ``reserve_unprefetche
 does, not when the function is admitted to the window: a swap-out is waited for only when the
 memory is needed, so the host is not held up early (nnabla's ResNet-50 at batch 512: the
 forward took 0.83 s at a 12 GiB window against 0.60 s at 256 MiB, waiting for swap-outs the
-larger window had pulled forward; now 0.62 s at either)."""
+larger window had pulled forward; now 0.62 s at 12 GiB)."""
 
 import math
 
