@@ -204,3 +204,16 @@ def test_compare_refuses_bad_steps_and_fractions():
         with pytest.raises(InvalidArgumentError) as info:
             compare(**kwargs)
         assert str(info.value).startswith(message)
+
+
+def test_simulate_the_paper_workload_on_its_own_calibration(capsys):
+    """``--model resnet50-nnabla --profile nnabla`` simulates the paper's graph with the fit
+    made on it (0.464 / 179.75 us: the paper's 581 images/s at 190, in core), not the fit made
+    on PyTorch's graph (615.8 images/s on this graph before the CLI passed the model)."""
+    code, out, err = run(capsys, "simulate", "--model", "resnet50-nnabla", "--gpu", "v100-16gb",
+                         "--profile", "nnabla", "--batch", "190", "--scheduler", "none",
+                         "--allocator", "caching", "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["out_of_memory"] is False
+    assert d["images_per_second"] == pytest.approx(580.72, abs=0.01)

@@ -185,3 +185,22 @@ def test_the_in_core_iteration_is_the_host_chain_within_its_bounds(kernels, host
     assert chain <= (sum(kernels) + n * host) * (1 + 1e-9) + 1e-15
     if chain > 0:
         assert r.same_batch_compute_ratio == pytest.approx(1.0)
+
+
+def test_paper_fit_on_nnabla_graph_is_the_calibration_it_ships():
+    """The paper's in-core row fitted on nnabla's ResNet-50 (the graph it ran): the constants
+    MODEL_CALIBRATIONS ships, used wherever resnet50-nnabla is simulated on the V100."""
+    from vmalloc.offload.hardware.gpus import calibrate
+    from vmalloc.offload.sequence.models import model_sequence
+    from vmalloc.offload.simulation.profiles import MODEL_CALIBRATIONS
+
+    eff, ov, errors = calibrate(lambda b: model_sequence("resnet50-nnabla", b))
+    cal = MODEL_CALIBRATIONS[("v100", "nnabla", "mixed-fp32-storage", "resnet50-nnabla")]
+    assert (eff, round(ov * 1e8) / 1e8) == (cal.efficiency, cal.overhead_seconds) == (
+        0.464, 179.75e-6)
+    assert max(abs(e) for e in errors.values()) < 1e-3
+    g = profiled_gpu("v100-16gb", "nnabla", "mixed-fp32-storage", model="resnet50-nnabla")
+    assert (g.compute_efficiency, g.function_overhead_seconds) == (0.464, 179.75e-6)
+    # any other model keeps the fit on PyTorch's graph
+    g = profiled_gpu("v100-16gb", "nnabla", "mixed-fp32-storage", model="resnet50")
+    assert (g.compute_efficiency, g.function_overhead_seconds) == (0.396, 135.3e-6)

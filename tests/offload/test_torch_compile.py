@@ -96,18 +96,20 @@ def offloaded_keys(forward):
 def trained():
     x, y = data()
     model, reference = mlp(), mlp()
-    plan = vtorch.policy(model, (x, y), loss_fn=LOSS, budget=budget_of(model), link_gbps=12)
+    # 6 GB/s: at 12 the swap-only plan wins since reservations take the budget at their
+    # function (tests/offload/test_window_reservation.py); a slower link keeps recompute chosen
+    plan = vtorch.policy(model, (x, y), loss_fn=LOSS, budget=budget_of(model), link_gbps=6)
     graphs = {}
     losses = train(vtorch.compile_out_of_core(model, plan, backend=capturing(graphs)), x, y)
     in_core = train(torch.compile(reference, backend="aot_eager"), x, y)
     return plan, graphs, model, reference, losses, in_core
 
 
-def test_plan_decisions_at_12_gbps(trained):
+def test_plan_decisions_at_6_gbps(trained):
     plan = trained[0]
-    # The window scheduler under the budget keeps the last layer's activations, recomputes
-    # two GELUs (memory-bound: cheaper than two copies over 12 GB/s) and offloads the rest.
-    assert plan.stats() == {"save": 3, "recompute": 2, "offload": 4,
+    # The window scheduler under the budget keeps the last layers' activations, recomputes
+    # two GELUs (memory-bound: cheaper than two copies over 6 GB/s) and offloads the rest.
+    assert plan.stats() == {"save": 5, "recompute": 2, "offload": 2,
                             "persistent_swaps_ignored": 20, "unmatched_ops": 0,
                             "recompute_refused": 0, "offload_refused": 0}
     assert plan.plan.feasible and plan.plan.params["recompute"] == "memory"
@@ -145,7 +147,7 @@ def test_link_speed_changes_the_plan():
     fast = vtorch.policy(model, (x, y), loss_fn=LOSS, budget=budget_of(model), link_gbps=1000)
     # A link as fast as memory: copying beats recomputing every time.
     assert {k: fast.stats()[k] for k in ("save", "recompute", "offload")} == \
-        {"save": 3, "recompute": 0, "offload": 6}
+        {"save": 5, "recompute": 0, "offload": 4}
     assert fast.link_gbps == 1000.0
 
 
@@ -325,15 +327,15 @@ def test_transformer_blocks_offload_and_match_in_core():
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p, q)
     stats = plan.stats()
-    assert (stats["offload"], stats["unmatched_ops"], stats["offload_refused"]) == (19, 2, 3)
+    assert (stats["offload"], stats["unmatched_ops"], stats["offload_refused"]) == (16, 2, 3)
     offloaded = {k for k, v in plan.decisions.items() if v == "offload"}
     got = offloaded_keys(graphs["forward"])
-    # the offloads of saved activations (clone: the attention's q/k/v; the residual adds; the
+    # the offloads of saved activations (clone: the attention's q/k/v; a residual add; the
     # MLP's first linear and GELU) land; the math-path ones (softmax, scaling) do not exist
-    assert sorted(got) == [("aten.add.Tensor", 1), ("aten.add.Tensor", 2),
-                           ("aten.addmm.default", 1), ("aten.clone.default", 0),
-                           ("aten.clone.default", 1), ("aten.clone.default", 2),
-                           ("aten.clone.default", 3), ("aten.gelu.default", 0)]
+    assert sorted(got) == [("aten.add.Tensor", 1), ("aten.addmm.default", 1),
+                           ("aten.clone.default", 0), ("aten.clone.default", 1),
+                           ("aten.clone.default", 2), ("aten.clone.default", 3),
+                           ("aten.gelu.default", 0)]
     assert set(got) <= offloaded
     assert sorted(p.name for p in device_puts(graphs["backward"])) == sorted(
         p.name.replace("cpu_offload_", "gpu_reload_") for p in device_puts(graphs["forward"]))
@@ -349,7 +351,7 @@ def test_example_runs():
                           capture_output=True, text=True, timeout=300, env=dict(os.environ),
                           cwd=str(root.parent))
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "forward graph: 4 offload(s); backward graph: 4 reload(s), 2 gelu recomputed" \
+    assert "forward graph: 2 offload(s); backward graph: 2 reload(s), 2 gelu recomputed" \
         in done.stdout
     assert "weights bit-identical: True" in done.stdout
 

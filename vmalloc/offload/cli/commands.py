@@ -171,14 +171,15 @@ def _recorded_sequence(model, batch):
                           f"no such file")
 
 
-def _gpu(name, profile=None, precision=None, purpose="predict"):
-    """The GPU model ``name`` with its profile's and precision's calibrated constants."""
+def _gpu(name, profile=None, precision=None, purpose="predict", model=None):
+    """The GPU model ``name`` with its profile's and precision's calibrated constants (those
+    fitted on ``model``'s own graph where there are: the paper's on resnet50-nnabla)."""
     from vmalloc.offload.hardware.gpus import GPUS
     from vmalloc.offload.simulation.profiles import profiled_gpu
 
     if name.lower() not in GPUS:
         raise OffloadCliError(f"--gpu {name}: unknown GPU; choose from {', '.join(GPUS)}")
-    return profiled_gpu(GPUS[name.lower()], profile, precision, purpose)
+    return profiled_gpu(GPUS[name.lower()], profile, precision, purpose, model=model)
 
 
 def _reference(model, gpu):
@@ -201,7 +202,7 @@ def _simulate(args):
         raise OffloadCliError(f"--batch must be positive, got {args.batch}")
     if args.scheduler != "window" and (args.budget is not None or args.window is not None):
         raise OffloadCliError("--budget and --window apply to --scheduler window only")
-    gpu = _gpu(args.gpu, args.profile, args.precision)
+    gpu = _gpu(args.gpu, args.profile, args.precision, model=args.model)
     if args.compress and gpu.precision == "amp":
         raise OffloadCliError(f"--compress {args.compress}: under precision amp the activations "
                               "are already half precision; choose --precision fp32 (or tf32)")
@@ -285,7 +286,7 @@ def table(model="resnet50", gpu="v100-16gb", batches=None, progress=False, choic
     from vmalloc.offload.planning.planner import in_core_reference, plan
     from vmalloc.offload.simulation.simulator import simulate
 
-    gpu = _gpu(gpu, profile, precision, "paper") if isinstance(gpu, str) else gpu
+    gpu = _gpu(gpu, profile, precision, "paper", model) if isinstance(gpu, str) else gpu
     seq_fn = (lambda b: _sequence(model, b, gpu.precision))
     limit, limit_ips = in_core_reference(seq_fn, gpu)
     if batches is None and model != "resnet50" and limit:
@@ -358,7 +359,7 @@ def _table(args):
                                   f"{args.batches!r}") from None
         if not batches or min(batches) < 1:
             raise OffloadCliError("--batches must be positive integers")
-    gpu = _gpu(args.gpu, args.profile, args.precision, "paper")
+    gpu = _gpu(args.gpu, args.profile, args.precision, "paper", args.model)
     _sequence(args.model, None)   # a clear error before any work
     t = table(args.model, gpu, batches, progress=sys.stderr.isatty() and not args.json,
               choices=args.choices)

@@ -14,7 +14,7 @@ the batch: 1.085 ms per image plus a fixed 0.121 s per iteration. The per-image 
 FLOPs of the shipped ResNet-50 sequence), the intercept fixes ``function_overhead_seconds``
 (the framework's cost per function: nnabla's per-function Python/C++ dispatch, far above a
 bare kernel launch). See :func:`calibrate` for the fit. These entries are the raw models;
-:func:`vmalloc.offload.profiles.profiled_gpu` gives each GPU the constants its own published
+:func:`vmalloc.offload.simulation.profiles.profiled_gpu` gives each GPU the constants its own published
 rows calibrate for a framework profile and a precision (what the CLI simulates with).
 """
 
@@ -57,7 +57,7 @@ class GPU:
     link: str = ""
     precision: str = ""
     sources: Tuple[str, ...] = field(default_factory=tuple)
-    #: The framework profile (vmalloc.offload.profiles): "nnabla" (the per-function cost is on
+    #: The framework profile (vmalloc.offload.simulation.profiles): "nnabla" (the per-function cost is on
     #: the compute stream) or "pytorch-eager" (``host_seconds`` per launch on a host timeline).
     profile: str = "nnabla"
     #: Host cost per function, overlapped with the GPU (pytorch-eager); 0 for nnabla.
@@ -101,7 +101,7 @@ _V100_SOURCES = (
     "link 45.9 GB/s per direction: POWER9 NVLink 2 measured with 3 GPUs per CPU (2 bricks, "
     "2x25 GB/s); the paper quotes 2x50 GB/s (offload.md, NextPlatform chart)",
     "efficiency and per-function overhead: fitted to the paper's Table 1 in-core row "
-    "336/492/581 img/s at batch 64/128/190 (vmalloc.offload.gpus.calibrate)",
+    "336/492/581 img/s at batch 64/128/190 (vmalloc.offload.hardware.gpus.calibrate)",
 )
 
 _V100 = GPU(
@@ -120,7 +120,7 @@ _V100 = GPU(
 )
 # The raw A100 and H100 entries carry the V100's nnabla fit on their own peaks (profile nnabla,
 # precision mixed-fp32-storage, as labelled); what the CLI simulates with is
-# vmalloc.offload.profiles.profiled_gpu, calibrated on each GPU's own published rows.
+# vmalloc.offload.simulation.profiles.profiled_gpu, calibrated on each GPU's own published rows.
 _A100_40 = GPU(
     name="a100-40gb",
     memory_bytes=40 * 2**30,
@@ -139,7 +139,7 @@ _A100_40 = GPU(
         "both directions at once: the H800's ratio 52.8/55.2 applied (numbers.md); "
         "no A100 figure found",
         "efficiency and overhead: the V100's (uncalibrated; the CLI and validate use "
-        "vmalloc.offload.profiles.profiled_gpu, calibrated on the A100's own rows)",
+        "vmalloc.offload.simulation.profiles.profiled_gpu, calibrated on the A100's own rows)",
     ),
 )
 
@@ -172,7 +172,7 @@ _P100 = GPU(
         "link: NVLink 1.0, 20 GB/s per direction per link, two links to the POWER8 CPU "
         "(IBM Minsky): 40 GB/s per direction, the nominal figure (no measurement found)",
         "efficiency and per-function overhead: fitted ONLY to Le et al.'s in-core row "
-        "235/255/258 img/s at batch 64/128/190 (vmalloc.offload.gpus.calibrate)",
+        "235/255/258 img/s at batch 64/128/190 (vmalloc.offload.hardware.gpus.calibrate)",
     ),
 )
 

@@ -207,7 +207,7 @@ def plan(seq, gpu="v100-16gb", scheduler="window", allocator="virtual", budget=N
     :func:`~vmalloc.offload.simulate` so that the result's ``relative_speed`` is the paper's.
     ``drop`` (window scheduler): a variable whose host copy is still valid is dropped, not
     swapped out again. ``recompute`` (True, or ``"memory"``/``"all"``): recompute considered per
-    variable (:mod:`~vmalloc.offload.recompute`): the search runs without it, with memory-bound
+    variable (:mod:`~vmalloc.offload.scheduling.recompute`): the search runs without it, with memory-bound
     chains, and with convolutions too (True), and keeps the fastest. ``compress`` (``"fp16"`` or
     ``"bf16"``, opt-in): float32 activations swapped at half their bytes."""
     gpu = get_gpu(gpu)

@@ -1,12 +1,13 @@
 """``vmalloc offload validate``: every published row beside its simulation.
 
-For each :data:`vmalloc.offload.published.ROWS` entry the row's GPU model is given its profile
-and precision (:func:`~vmalloc.offload.profiles.profiled_gpu`), the shipped sequence its
-precision's bytes (:func:`~vmalloc.offload.profiles.apply_precision`), and:
+For each :data:`vmalloc.offload.simulation.published.ROWS` entry the row's GPU model is given its profile
+and precision (:func:`~vmalloc.offload.simulation.profiles.profiled_gpu`), the shipped sequence its
+precision's bytes (:func:`~vmalloc.offload.simulation.profiles.apply_precision`), and:
 
 - an ``in-core`` row is the compute-only images/s at the row's batch;
 - an out-of-core row (``window+virtual``, ``lms+virtual``) is planned by the planner against
-  the in-core reference of the same GPU model, and reports both ratios: ``relative_speed``
+  the in-core reference of the same GPU model and model (with the settings the source
+  published fixed: ``Row.settings``, e.g. the paper's 40 MB chunk), and reports both ratios: ``relative_speed``
   (the paper's: images/s over the in-core images/s at the in-core limit) and
   ``same_batch_compute_ratio`` (this batch's compute-only time over its iteration time).
 
@@ -25,7 +26,7 @@ def _simulate_row(row, refs):
     from vmalloc.offload.simulation.profiles import apply_precision, profiled_gpu
     from vmalloc.offload.simulation.simulator import in_core_seconds
 
-    gpu = profiled_gpu(row.gpu, row.profile, row.precision)
+    gpu = profiled_gpu(row.gpu, row.profile, row.precision, model=row.model)
 
     def seq_at(b):
         return apply_precision(model_sequence(row.model, b), row.precision)
@@ -42,7 +43,8 @@ def _simulate_row(row, refs):
     limit, ips = refs[key]
     out["in_core_limit_batch"], out["in_core_limit_images_per_second"] = limit, ips
     scheduler, allocator = row.run.split("+")
-    p = plan(seq, gpu, scheduler, allocator, reference=(limit, ips) if limit else None)
+    p = plan(seq, gpu, scheduler, allocator, reference=(limit, ips) if limit else None,
+             **dict(row.settings))
     if p.feasible:
         r = p.result
         out.update(images_per_second=r.images_per_second, relative_speed=r.relative_speed,

@@ -124,10 +124,14 @@ def window_loop(int64_t n, int64_t nvar, const int64_t[::1] sizes,
     cdef int64_t *out_step = <int64_t *> malloc((nvar + 1) * sizeof(int64_t))
     cdef int64_t *cnt = <int64_t *> malloc((nvar + 1) * sizeof(int64_t))
     cdef int64_t *own = <int64_t *> malloc((nvar + 1) * sizeof(int64_t))   # stamp: j + 1
-    if not (ftok and fv and out_token and out_step and cnt and own):
+    # reservations charged to the budget only at their own function (window.py)
+    cdef int64_t *deferred = <int64_t *> malloc((n + 1) * sizeof(int64_t))
+    if not (ftok and fv and out_token and out_step and cnt and own and deferred):
         free(ftok); free(fv); free(out_token); free(out_step); free(cnt); free(own)
+        free(deferred)
         raise MemoryError()
     cdef int64_t fhead = 0, ftail = 0, token = 0, wbytes = 0, hm = 0, head = 0
+    cdef int64_t pend = 0, fbytes = 0, later, d
     cdef int64_t i, j, k, a, b, e, v, nx, t, c, add, need, nskip, pos, fail = -1
     cdef unsigned char s
     cdef bint out
@@ -138,6 +142,8 @@ def window_loop(int64_t n, int64_t nvar, const int64_t[::1] sizes,
             out_step[v] = 0
             cnt[v] = 0
             own[v] = 0
+        for i in range(n):
+            deferred[i] = 0
         for i in range(n):
             # the byte window [i, hm)
             if i:
@@ -159,16 +165,50 @@ def window_loop(int64_t n, int64_t nvar, const int64_t[::1] sizes,
                     cnt[fvar[e]] += 1
                 wbytes += add
                 hm += 1
+            d = deferred[i]
+            if d:
+                # function i's reservations take the budget now (admission left room)
+                pend -= d
+                held += d
+                while held > budget and fhead < ftail:
+                    t = ftok[fhead]
+                    v = fv[fhead]
+                    fhead += 1
+                    if out_token[v] != t:
+                        continue
+                    out_token[v] = 0
+                    held -= sizes[v]
+                    fbytes -= sizes[v]
+                    if state[v] == DROPPING:
+                        (<list> drop[i]).append(v)
+                    else:
+                        (<list> wait_swap_out[i]).append(v)
+                    state[v] = ON_HOST
             # (a)/(b): admit functions entering the window
             while head < hm:
                 j = head
                 a = bounds[j]
                 b = bounds[j + 1]
                 need = 0
-                for e in range(a, b):
-                    v = fvar[e]
-                    if state[v] <= ON_HOST:
-                        need += sizes[v]
+                if j == i:
+                    for e in range(a, b):
+                        v = fvar[e]
+                        if state[v] <= ON_HOST:
+                            need += sizes[v]
+                else:
+                    # swap-ins now, reservations at f_j: all must fit with every swap-out in
+                    # flight waited for and the reservations still to come
+                    k = a + fnin[j]
+                    later = 0
+                    for e in range(a, b):
+                        v = fvar[e]
+                        s = state[v]
+                        if e < k and s == ON_HOST:
+                            need += sizes[v]
+                        elif s != HELD:
+                            later += sizes[v]
+                    if held - fbytes + pend + need + later > budget:
+                        break                    # stop advancing: prefetch less
                 if held + need > budget and fhead < ftail:
                     for e in range(a, b):
                         own[fvar[e]] = j + 1
@@ -189,6 +229,7 @@ def window_loop(int64_t n, int64_t nvar, const int64_t[::1] sizes,
                             continue
                         out_token[v] = 0
                         held -= sizes[v]
+                        fbytes -= sizes[v]
                         if state[v] == DROPPING:
                             (<list> drop[i]).append(v)
                         else:
@@ -214,10 +255,12 @@ def window_loop(int64_t n, int64_t nvar, const int64_t[::1] sizes,
                     elif s == DROPPING:
                         # a pending drop re-enters the window: it simply stays resident
                         out_token[v] = 0
+                        fbytes -= sizes[v]
                     elif s == SWAPPING_OUT:
                         # offline cancel: the swap-out is dropped from the step that issued it
                         (<list> swap_out[out_step[v]]).remove(v)
                         out_token[v] = 0
+                        fbytes -= sizes[v]
                         hvalid[v] = 0           # the copy never happens
                     elif s == ON_HOST:
                         (<list> swap_in[i]).append(v)
@@ -226,14 +269,22 @@ def window_loop(int64_t n, int64_t nvar, const int64_t[::1] sizes,
                     else:
                         # a transient variable first used by a read (outside data): reserved
                         jstep_alloc.append(v)
-                        held += sizes[v]
+                        if j == i:
+                            held += sizes[v]
+                        else:
+                            deferred[j] += sizes[v]
+                            pend += sizes[v]
                     state[v] = HELD
                 for e in range(k, b):
                     # write-only at f_j: reserved now, allocated at f_j (see window.py)
                     v = fvar[e]
                     jstep_alloc.append(v)
                     if state[v] != HELD:
-                        held += sizes[v]
+                        if j == i:
+                            held += sizes[v]
+                        else:
+                            deferred[j] += sizes[v]
+                            pend += sizes[v]
                         state[v] = HELD
                 head += 1
             if fail >= 0:
@@ -261,6 +312,7 @@ def window_loop(int64_t n, int64_t nvar, const int64_t[::1] sizes,
                     ftok[ftail] = token
                     fv[ftail] = v
                     ftail += 1
+                    fbytes += sizes[v]
                     if use_drop and hvalid[v]:
                         # no copy needed: a pending drop, taken only when the budget needs it
                         state[v] = DROPPING
@@ -301,3 +353,4 @@ def window_loop(int64_t n, int64_t nvar, const int64_t[::1] sizes,
         return -1, steps, end, end_drop
     finally:
         free(ftok); free(fv); free(out_token); free(out_step); free(cnt); free(own)
+        free(deferred)

@@ -126,7 +126,7 @@ class Schedule:
     initial_resident: frozenset = frozenset()
     end_wait_swap_out: List[int] = field(default_factory=list)
     end_drop: List[int] = field(default_factory=list)
-    #: Recompute (:class:`~vmalloc.offload.recompute.Recompute`): the steps are those of its
+    #: Recompute (:class:`~vmalloc.offload.scheduling.recompute.Recompute`): the steps are those of its
     #: expanded ``sequence``, in which inserted functions re-run recorded ones (None: none).
     recompute: Optional[object] = None
     #: Variables (ids of the sequence scheduled) swapped in a compressed format, and which

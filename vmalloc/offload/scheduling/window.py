@@ -13,13 +13,18 @@ Before function ``i``:
 (a) functions newly entering the window are admitted in order; each variable of an admitted
     function that is on the host and read there gets a ``swap_in`` issued now (and a
     ``wait_swap_in`` before that function). A fresh or write-only variable is not prefetched
-    but **reserved**: its bytes count against the budget from admission, and it is
-    ``allocate``-d at its function (nnabla: "reserved, not prefetched"). So is a transient
-    variable whose first use is a read (its data comes from outside, e.g. the input batch).
-(b) if an admission does not fit the budget, the oldest swap-outs in flight are waited for
-    (``wait_swap_out``, FIFO) until it fits; if it still does not fit, the window stops
-    advancing (prefetch less) and admission resumes at a later function. If function ``i``
-    itself cannot fit even with every swap-out waited, :class:`ScheduleError` is raised.
+    but **reserved**: it counts in the window from admission, and against the budget only from
+    its own function, where it is ``allocate``-d (nnabla's ``reserve_unprefetched_memory``:
+    "reserved, not prefetched"); before that function the oldest swap-outs are waited for
+    until it fits. So is a transient variable whose first use is a read (its data comes from
+    outside, e.g. the input batch).
+(b) if an admission's swap-ins do not fit the budget, the oldest swap-outs in flight are
+    waited for (``wait_swap_out``, FIFO) until they fit. A later function is admitted only if
+    its swap-ins, its reservations and every reservation still to come fit the budget once
+    every swap-out in flight is waited for (so a reservation always fits at its function;
+    nnabla instead over-commits and re-plans with prefetches cancelled). Otherwise the window
+    stops advancing (prefetch less) and admission resumes at a later function. If function
+    ``i`` itself cannot fit even with every swap-out waited, :class:`ScheduleError` is raised.
 
 After function ``i``:
 
@@ -248,6 +253,11 @@ class WindowScheduler:
         wbytes = 0
         hm = 0                      # byte-window head (exclusive)
         head = 0                    # admitted head (exclusive): functions [i, head) are admitted
+        # reservations charged to the budget only at their own function (nnabla's
+        # reserve_unprefetched_memory): per function their bytes, and their total still to come
+        deferred = [0] * n
+        pend = 0
+        fbytes = 0                  # bytes of the swap-outs and drops in flight (in ``held``)
 
         for i in range(n):
             step = steps[i]
@@ -272,14 +282,51 @@ class WindowScheduler:
                 hm += 1
             if trace is not None:
                 trace.append(("window", i, hm))
+            d = deferred[i]
+            if d:
+                # function i's reservations take the budget now; the oldest swap-outs are
+                # waited for until they fit (admission left room: they always do)
+                pend -= d
+                held += d
+                while held > budget and fifo:
+                    t, v, _ = fifo.popleft()
+                    if out_token[v] != t:
+                        continue
+                    out_token[v] = 0
+                    held -= sizes[v]
+                    fbytes -= sizes[v]
+                    if state[v] == _DROPPING:
+                        step.drop.append(v)
+                    else:
+                        step.wait_swap_out.append(v)
+                    if trace is not None:
+                        trace.append(("drop" if state[v] == _DROPPING else "wait", i, v))
+                    state[v] = _ON_HOST
             # (a)/(b): admit functions entering the window
             while head < hm:
                 j = head
                 vs = fman[j]
                 need = 0
-                for v in vs:
-                    if state[v] <= _ON_HOST:
-                        need += sizes[v]
+                if j == i:
+                    for v in vs:
+                        if state[v] <= _ON_HOST:
+                            need += sizes[v]
+                else:
+                    # a later function: its swap-ins take the budget now, its reservations
+                    # (and swap-outs it cancels) at f_j; all must fit once every swap-out in
+                    # flight is waited for, with the reservations still to come
+                    k = fnin[j]
+                    later = 0
+                    for x, v in enumerate(vs):
+                        s = state[v]
+                        if x < k and s == _ON_HOST:
+                            need += sizes[v]
+                        elif s != _HELD:
+                            later += sizes[v]
+                    if held - fbytes + pend + need + later > budget:
+                        if trace is not None:
+                            trace.append(("stall", i, j))
+                        break                    # stop advancing: prefetch less
                 if held + need > budget and fifo:
                     own = set(vs)
                     skipped = []
@@ -293,6 +340,7 @@ class WindowScheduler:
                             continue
                         out_token[v] = 0
                         held -= sizes[v]
+                        fbytes -= sizes[v]
                         if state[v] == _DROPPING:
                             step.drop.append(v)
                             if trace is not None:
@@ -320,6 +368,7 @@ class WindowScheduler:
                     elif s == _DROPPING:
                         # a pending drop re-enters the window: it simply stays resident
                         out_token[v] = 0
+                        fbytes -= sizes[v]
                         if trace is not None:
                             trace.append(("keep", i, v))
                     elif s == _SWAPPING_OUT:
@@ -328,6 +377,7 @@ class WindowScheduler:
                         if trace is not None:
                             trace.append(("cancel", i, v, out_step[v]))
                         out_token[v] = 0
+                        fbytes -= sizes[v]
                         hvalid[v] = False           # the copy never happens
                     elif s == _ON_HOST:
                         step.swap_in.append(v)
@@ -336,7 +386,11 @@ class WindowScheduler:
                     else:
                         # a transient variable first used by a read (outside data): reserved
                         jstep.allocate.append(v)
-                        held += sizes[v]
+                        if j == i:
+                            held += sizes[v]
+                        else:
+                            deferred[j] += sizes[v]
+                            pend += sizes[v]
                     state[v] = _HELD
                 if k < len(vs):
                     for v in vs[k:]:
@@ -345,7 +399,11 @@ class WindowScheduler:
                         # stay counted as f_j's reservation.
                         jstep.allocate.append(v)
                         if state[v] != _HELD:
-                            held += sizes[v]
+                            if j == i:
+                                held += sizes[v]
+                            else:
+                                deferred[j] += sizes[v]
+                                pend += sizes[v]
                             state[v] = _HELD
                 head += 1
             # (c)/(d): after function i
@@ -369,12 +427,14 @@ class WindowScheduler:
                     out_token[v] = token
                     out_step[v] = i
                     fifo.append((token, v, i))
+                    fbytes += sizes[v]
                     state[v] = _DROPPING
                 elif out:
                     token += 1
                     out_token[v] = token
                     out_step[v] = i
                     fifo.append((token, v, i))
+                    fbytes += sizes[v]
                     state[v] = _SWAPPING_OUT
                     step.swap_out.append(v)
                     hvalid[v] = True

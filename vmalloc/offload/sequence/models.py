@@ -1,8 +1,10 @@
 """Recorded training iterations of well-known models, shipped with vmalloc.
 
-``model_sequence(name, batch)`` loads ``vmalloc/offload/sequence/data/<name>.json.gz``
-(recorded from the ``torch.nn`` definitions in :mod:`vmalloc.offload.sequence.torch_models` by
-``benchmarks/record_sequences.py``) and scales it to ``batch``. Loading needs no torch.
+``model_sequence(name, batch)`` loads ``vmalloc/offload/sequence/data/<name>.json.gz`` (recorded from the
+``torch.nn`` definitions in :mod:`vmalloc.offload.sequence.torch_models` by
+``benchmarks/record_sequences.py``; ``resnet50-nnabla`` from nnabla's functions by
+``scripts/record-nnabla-resnet50``) and scales it to ``batch``. Loading needs neither torch nor
+nnabla.
 
 =============  =====================================================  ==================
 name           model                                                   one sample
@@ -11,10 +13,13 @@ resnet50       ResNet-50 v1.5, 25,557,032 parameters                   3x224x224
 densenet121    DenseNet-121, 7,978,856 parameters                      3x224x224 image
 unet           U-Net 64..1024 channels, 2 classes, 31,037,698 params   3x512x512 image
 gpt2-medium    GPT-2 medium, 354,823,168 parameters, flash attention   1024 tokens
+resnet50-      the paper's workload: ResNet-50 v1.5 in nnabla (its     3x224x224 image
+nnabla         functions, Momentum), recorded by vmalloc.nnabla
 =============  =====================================================  ==================
 
 Each is one iteration of float32 training: forward, cross-entropy loss, backward, and SGD with
-momentum (per-parameter ops); persistent variables are the parameters, BatchNorm buffers and
+momentum (per-parameter ops; ``resnet50-nnabla``: nnabla's solver calls, which list no arrays);
+persistent variables are the parameters, BatchNorm buffers and
 momentum buffers. ``seq.meta`` describes the model (``params``, ``input``, ``dtype``,
 ``samples_per_batch_unit``, ``recorded_with``, ...).
 """
@@ -31,7 +36,7 @@ from vmalloc.offload.sequence.sequence import FunctionSequence
 __all__ = ["MODELS", "model_sequence", "data_path"]
 
 #: Names of the shipped model sequences.
-MODELS = ("resnet50", "densenet121", "unet", "gpt2-medium")
+MODELS = ("resnet50", "densenet121", "unet", "gpt2-medium", "resnet50-nnabla")
 
 _DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 

@@ -30,7 +30,7 @@ Precisions:
 
 Each (GPU family, profile, precision) exists only where a published row calibrates it
 (:data:`CALIBRATIONS`); the rows, and the ones that only validate, are in
-:mod:`vmalloc.offload.published` and ``vmalloc offload validate``.
+:mod:`vmalloc.offload.simulation.published` and ``vmalloc offload validate``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ from typing import Dict, Tuple
 
 from vmalloc.errors import InvalidArgumentError
 
-__all__ = ["PROFILES", "PRECISIONS", "PEAK_FLOPS", "CALIBRATIONS", "Calibration",
+__all__ = ["PROFILES", "PRECISIONS", "PEAK_FLOPS", "CALIBRATIONS", "MODEL_CALIBRATIONS",
+           "Calibration",
            "profiled_gpu", "apply_precision", "host_chain_seconds", "default_profile",
            "default_precision", "family"]
 
@@ -81,7 +82,7 @@ class Calibration:
     source: str
 
 
-# Efficiencies below: vmalloc.offload.published.fit_efficiency on the shipped resnet50 sequence
+# Efficiencies below: vmalloc.offload.simulation.published.fit_efficiency on the shipped resnet50 sequence
 # (pytorch-eager: host 10 us, no stream overhead; the efficiency that makes the compute-only
 # time at the row's batch give its images/s). Each row is in published.ROWS as "calibrates".
 CALIBRATIONS: Dict[Tuple[str, str, str], Calibration] = {
@@ -125,6 +126,20 @@ CALIBRATIONS: Dict[Tuple[str, str, str], Calibration] = {
 }
 
 
+#: Calibrations fitted on one shipped model's own graph, used where that model is simulated
+#: (``profiled_gpu(..., model=...)``). The paper's in-core row (the same calibrating rows,
+#: 336/492/581 at 64/128/190) fitted on the graph the paper ran, nnabla's ResNet-50
+#: (``resnet50-nnabla``, 674 functions), by gpus.calibrate(lambda b:
+#: model_sequence("resnet50-nnabla", b)): efficiency 0.464, overhead 179.75 us per function
+#: (errors -0.05 %, +0.09 %, -0.04 %). On PyTorch's graph (891 functions) the same rows give
+#: 0.396 / 135.3 us: the per-function cost is a property of the graph it is spread over.
+MODEL_CALIBRATIONS: Dict[Tuple[str, str, str, str], Calibration] = {
+    ("v100", "nnabla", "mixed-fp32-storage", "resnet50-nnabla"): Calibration(
+        0.464, 179.75e-6, 0.0,
+        "the paper's in-core row (Hayakawa & Narihira, Table 1), fitted on nnabla's graph"),
+}
+
+
 def family(gpu) -> str:
     """``"v100"`` for ``"v100-16gb-3brick"``: the chip whose calibrations a model uses."""
     name = gpu if isinstance(gpu, str) else gpu.name
@@ -149,9 +164,11 @@ def default_precision(gpu, profile) -> str:
     return "amp" if "amp" in have else (have[0] if have else "fp32")
 
 
-def profiled_gpu(gpu, profile=None, precision=None, purpose="predict"):
+def profiled_gpu(gpu, profile=None, precision=None, purpose="predict", model=None):
     """The GPU model ``gpu`` (a name or a :class:`GPU`) with ``profile``'s and ``precision``'s
     calibrated constants: peak, efficiency, per-function costs, and both names recorded on it.
+    ``model``: the shipped model to be simulated; where :data:`MODEL_CALIBRATIONS` has a fit on
+    that model's own graph (the paper's rows on nnabla's ResNet-50), it is used instead.
     Raises InvalidArgumentError naming what is calibrated when the combination is not."""
     from vmalloc.offload.hardware.gpus import get_gpu
     from vmalloc.offload.simulation import published
@@ -166,7 +183,8 @@ def profiled_gpu(gpu, profile=None, precision=None, purpose="predict"):
         raise InvalidArgumentError(
             f"unknown precision {precision!r}; choose from {', '.join(PRECISIONS)}")
     fam = family(base)
-    cal = CALIBRATIONS.get((fam, profile, precision))
+    cal = MODEL_CALIBRATIONS.get((fam, profile, precision, model)) or CALIBRATIONS.get(
+        (fam, profile, precision))
     if cal is None:
         have = sorted(f"{p}/{q}" for (f, p, q) in CALIBRATIONS if f == fam)
         raise InvalidArgumentError(

@@ -4,7 +4,7 @@ One :class:`Row` per published figure: which GPU model, framework profile and pr
 simulated with, what ran (in core, or an out-of-core scheduler), the batch, the published
 images/s, its source, and its *role*: ``calibrates`` (the figure fixed a constant of the model,
 so agreement is by construction up to the fit's residual) or ``validates`` (never used to fit:
-its error is the model's). ``vmalloc offload validate`` (:mod:`vmalloc.offload.validate`)
+its error is the model's). ``vmalloc offload validate`` (:mod:`vmalloc.offload.planning.validate`)
 simulates each beside its figure.
 """
 
@@ -41,19 +41,26 @@ class Row(NamedTuple):
     role: str               # "calibrates" or "validates"
     note: str = ""
     model: str = "resnet50"
+    #: settings the source published for its run, as (name, value) pairs passed to the planner
+    #: (fixed, not searched): the paper's physical chunk of 40 MB
+    settings: tuple = ()
 
 
 def _rows():
     out = []
+    # the paper's rows run on the paper's workload: nnabla's ResNet-50 graph, recorded by
+    # vmalloc.nnabla (scripts/record-nnabla-resnet50), with the physical chunk the paper chose
+    # (40 MB; numbers.md). Its Schedule (caching, no VA) row and Le et al.'s LMS rows at 190-928
+    # are not here: no source with their figures was found (issue 22 items 3 and 4).
     for b, ips in ((64, 336.0), (128, 492.0), (190, 581.0)):
         out.append(Row(PAPER, "v100-16gb", "nnabla", "mixed-fp32-storage", "in-core", b, ips,
-                       "calibrates", "in-core row"))
+                       "calibrates", "in-core row, on nnabla's graph", "resnet50-nnabla"))
     va = {64: 304, 128: 389, 190: 415, 256: 424, 512: 446, 928: 409, 1120: 398, 1248: 347,
           1440: 321}
     for b, ips in va.items():
         out.append(Row(PAPER, "v100-16gb", "nnabla", "mixed-fp32-storage", "window+virtual", b,
-                       float(ips), "validates",
-                       "Schedule+VA row, on PyTorch's ResNet-50 graph, not nnabla's"))
+                       float(ips), "validates", "Schedule+VA row, on nnabla's graph, 40 MB chunks",
+                       "resnet50-nnabla", (("chunk_size", "40MB"),)))
     for b, ips in ((64, 235.0), (128, 255.0), (190, 258.0)):
         out.append(Row(LE, "p100-16gb", "nnabla", "fp32", "in-core", b, ips, "calibrates",
                        "in-core row; the serial (nnabla) form fitted to TensorFlow"))
@@ -117,7 +124,7 @@ def calibrating_row(fam, profile, precision) -> Optional[Row]:
 @functools.lru_cache(maxsize=None)
 def calibrated_efficiency(fam, profile, precision) -> float:
     """The efficiency the calibrating row of (``fam``, ``profile``, ``precision``) gives (see
-    :data:`vmalloc.offload.profiles.CALIBRATIONS`), fitted on the shipped sequence."""
+    :data:`vmalloc.offload.simulation.profiles.CALIBRATIONS`), fitted on the shipped sequence."""
     from vmalloc.offload.hardware.gpus import get_gpu
     from vmalloc.offload.sequence.models import model_sequence
     from vmalloc.offload.simulation.profiles import CALIBRATIONS, PEAK_FLOPS, apply_precision

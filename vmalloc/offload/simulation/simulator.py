@@ -12,7 +12,7 @@ The model (``docs/simulating.rst`` has it in full):
 - **Compute stream.** Functions run in order. Function ``i`` takes its measured ``seconds`` if
   the sequence has them, else ``max(flops / (peak * efficiency), bytes touched / HBM
   bandwidth) + overhead`` (:meth:`GPU.compute_seconds`). The GPU carries a framework profile
-  and a precision (:mod:`vmalloc.offload.profiles`); under ``pytorch-eager`` the host also
+  and a precision (:mod:`vmalloc.offload.simulation.profiles`); under ``pytorch-eager`` the host also
   spends ``host_seconds`` launching each function, so a kernel starts no earlier than its launch.
 - **Host.** The host issues each step's actions at its *issue time* ``h``: function ``i``'s
   actions are issued at the time function ``i - 1`` started (the host runs one function ahead of
@@ -100,7 +100,7 @@ class SimulationResult:
     speed_vs_compute_only: Optional[float] = None
     #: images/s of this batch's compute alone (memory unlimited; not an in-core speed).
     compute_only_images_per_second: Optional[float] = None
-    #: The framework profile and precision of the GPU model (vmalloc.offload.profiles).
+    #: The framework profile and precision of the GPU model (vmalloc.offload.simulation.profiles).
     profile: str = ""
     precision: str = ""
     #: The same figure as ``speed_vs_compute_only``, named for what it compares: this batch's
@@ -206,10 +206,10 @@ def simulate(seq, schedule=None, gpu="v100-16gb", allocator="virtual", chunk_siz
         release_completed: release a swap-out's memory as soon as its copy has completed (by
             the host's issue time), not only at its ``wait_swap_out``: TensorFlow's behaviour,
             which LMS schedules assume (default: True for ``scheduler == "lms"``).
-        timeline: keep per-event intervals and memory samples (for :mod:`~vmalloc.offload.timeline`).
+        timeline: keep per-event intervals and memory samples (for :mod:`~vmalloc.offload.simulation.timeline`).
         iterations: iterations run on the same allocator; the last is reported (default 2).
         reference: ``(batch, images/s)`` of the in-core limit on this GPU
-            (:func:`~vmalloc.offload.planner.in_core_reference`): with it ``relative_speed`` is
+            (:func:`~vmalloc.offload.planning.planner.in_core_reference`): with it ``relative_speed`` is
             the paper's ratio, images/s over the in-core images/s at the in-core limit, and
             ``in_core_images_per_second`` is quoted only for a batch at or under the limit.
             Without it ``relative_speed`` is None and the in-core speed at this batch is quoted
