@@ -104,7 +104,8 @@ void HostDevice::map(device_ptr ptr, std::size_t size, physical_handle handle) {
          cu_result::invalid_value);
   // Recorded first, so that a bad_alloc cannot leave pages mapped that nothing tracks; taken
   // out again if the mapping fails.
-  const auto slot = mappings_.emplace(ptr, Mapping{size, handle, {}}).first;
+  // At `next`, found above: one walk down the tree, not two (thousands of chunks mapped).
+  const auto slot = mappings_.emplace_hint(next, ptr, Mapping{size, handle, {}});
   if (backed_) {
     try {
       reserve_vmas(slot->second.vmas(), DriverCall::map);
@@ -150,15 +151,17 @@ void HostDevice::unmap(device_ptr ptr, std::size_t size) {
     }
   }
   const device_ptr end = ptr + size;
+  std::size_t vmas = 0;  // given back once: one atomic for the run, not one per chunk
   while (it != mappings_.end() && it->first < end) {
     const Mapping& m = it->second;
     bytes_mapped_ -= m.size;
     bytes_accessible_ -= m.accessible_bytes();
-    return_vmas(m.vmas());
+    vmas += m.vmas();
     auto p = physical_.find(m.handle);
     if (--p->second.mappings == 0 && p->second.released) free_physical(p);
     it = mappings_.erase(it);
   }
+  return_vmas(vmas);
   if (checked_) checked_forget(ptr, size, /*reservation=*/false);  // plain reservation again
 }
 
@@ -177,6 +180,8 @@ void HostDevice::set_access(device_ptr ptr, std::size_t size) {
   const device_ptr end = ptr + size;
   // Work out the new access sets first, so a refusal (VMA budget, mprotect) changes nothing.
   std::vector<std::pair<Mapping*, Mapping>> updates;
+  // Every mapping is a multiple of the granularity: at most this many, one allocation.
+  updates.reserve(size / granularity_ + 2);
   std::size_t vmas_before = 0, vmas_after = 0;
   for (auto it = first; it != mappings_.end() && it->first < end; ++it) {
     Mapping updated = it->second;
