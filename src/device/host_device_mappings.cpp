@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <iterator>
+#include <new>
 #include <utility>
 #include <vector>
 
@@ -104,8 +106,18 @@ void HostDevice::map(device_ptr ptr, std::size_t size, physical_handle handle) {
          cu_result::invalid_value);
   // Recorded first, so that a bad_alloc cannot leave pages mapped that nothing tracks; taken
   // out again if the mapping fails.
-  // At `next`, found above: one walk down the tree, not two (thousands of chunks mapped).
-  const auto slot = mappings_.emplace_hint(next, ptr, Mapping{size, handle, {}});
+  // At `next`, found above: one walk down the tree, not two (thousands of chunks mapped); in a
+  // node an unmap left when there is one (no allocation).
+  std::map<device_ptr, Mapping>::iterator slot;
+  if (!spare_mappings_.empty()) {
+    auto node = std::move(spare_mappings_.back());
+    spare_mappings_.pop_back();
+    node.key() = ptr;
+    node.mapped() = Mapping{size, handle, {}};
+    slot = mappings_.insert(next, std::move(node));
+  } else {
+    slot = mappings_.emplace_hint(next, ptr, Mapping{size, handle, {}});
+  }
   if (backed_) {
     try {
       reserve_vmas(slot->second.vmas(), DriverCall::map);
@@ -139,6 +151,15 @@ void HostDevice::unmap(device_ptr ptr, std::size_t size) {
   std::string why;
   if (!covering_mappings(ptr, size, /*whole_only=*/true, &it, &why))
     fail(DriverCall::unmap, why, cu_result::invalid_value);
+  // Room for this run's nodes among the spares before anything changes (failing to grow it
+  // only keeps fewer), so that the loop below cannot throw.
+  const std::size_t want = std::min(kSpareMappings, spare_mappings_.size() + size / granularity_);
+  if (spare_mappings_.capacity() < want) {
+    try {
+      spare_mappings_.reserve(want);
+    } catch (const std::bad_alloc&) {
+    }
+  }
   if (backed_) {
     // The range reverts to plain reservation: PROT_NONE anonymous pages, no memory.
     void* at = ::mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE,
@@ -159,7 +180,12 @@ void HostDevice::unmap(device_ptr ptr, std::size_t size) {
     vmas += m.vmas();
     auto p = physical_.find(m.handle);
     if (--p->second.mappings == 0 && p->second.released) free_physical(p);
-    it = mappings_.erase(it);
+    const auto following = std::next(it);
+    if (spare_mappings_.size() < spare_mappings_.capacity())
+      spare_mappings_.push_back(mappings_.extract(it));
+    else
+      mappings_.erase(it);
+    it = following;
   }
   return_vmas(vmas);
   if (checked_) checked_forget(ptr, size, /*reservation=*/false);  // plain reservation again
