@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections import deque
 import math
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
@@ -161,8 +162,33 @@ def link_description(gpu) -> str:
 
 
 def function_seconds(seq, gpu) -> List[float]:
-    """The model's duration of each function of ``seq`` on ``gpu``."""
+    """The model's duration of each function of ``seq`` on ``gpu`` (a new list)."""
     gpu = get_gpu(gpu)
+    # A plan simulates one sequence dozens of times on one GPU: the durations are kept per
+    # (sequence, GPU) while its functions and variables are the very same objects.
+    cached = _SECONDS.get(seq)
+    if cached is not None:
+        funcs, variables, by_gpu = cached
+        if funcs == tuple(seq.functions) and variables == tuple(seq.variables):
+            if gpu in by_gpu:
+                return list(by_gpu[gpu])
+        else:
+            cached = None
+    out = _function_seconds(seq, gpu)
+    if cached is None:
+        cached = (tuple(seq.functions), tuple(seq.variables), {})
+        _SECONDS[seq] = cached
+    cached[2][gpu] = tuple(out)
+    return out
+
+
+#: function_seconds() by sequence (weakly: gone with it): (its functions, its variables,
+#: {GPU: durations}). ``_function_seconds.computed`` counts the computations (for tests).
+_SECONDS = weakref.WeakKeyDictionary()
+
+
+def _function_seconds(seq, gpu):
+    _function_seconds.computed += 1
     out = []
     var = seq.variables
     for f in seq.functions:
@@ -171,6 +197,9 @@ def function_seconds(seq, gpu) -> List[float]:
         else:
             out.append(gpu.compute_seconds(f.flops, sum(var[v].nbytes for v in f.uses)))
     return out
+
+
+_function_seconds.computed = 0
 
 
 def in_core_seconds(seq, gpu) -> float:
