@@ -252,8 +252,8 @@ VirtualAllocator::Range* VirtualAllocator::map_new_range(std::size_t k, std::siz
 
 void VirtualAllocator::map_run(device_ptr base, const detail::ChunkBatch& batch,
                                std::size_t& mapped) {
-  for (; mapped < batch.size(); ++mapped)
-    device_->map(base + mapped * chunk_size_, chunk_size_, batch[mapped]);
+  // One call for the run: the device may do its books once (each chunk is still a cuMemMap).
+  device_->map_chunks(base, chunk_size_, batch.data(), batch.size(), mapped);
   device_->set_access(base, batch.size() * chunk_size_);  // one call over the whole run
 }
 

@@ -66,6 +66,25 @@ bool HostDevice::covering_mappings(device_ptr ptr, std::size_t size, bool whole_
 void HostDevice::map(device_ptr ptr, std::size_t size, physical_handle handle) {
   count(DriverCall::map);
   std::unique_lock<std::shared_mutex> lock(mutex_);
+  map_locked(ptr, size, handle, mappings_.lower_bound(ptr));
+}
+
+void HostDevice::map_chunks(device_ptr base, std::size_t size, const physical_handle* handles,
+                            std::size_t n, std::size_t& mapped) {
+  if (mapped >= n) return;
+  std::unique_lock<std::shared_mutex> lock(mutex_);
+  // Chunk i + 1 goes right after chunk i: the mapping after the run's first address stays the
+  // successor of each new one, so the tree is walked once for the run, not once per chunk.
+  const auto next = mappings_.lower_bound(base + mapped * size);
+  for (; mapped < n; ++mapped) {
+    count(DriverCall::map);
+    map_locked(base + mapped * size, size, handles[mapped], next);
+  }
+}
+
+std::map<device_ptr, HostDevice::Mapping>::iterator HostDevice::map_locked(
+    device_ptr ptr, std::size_t size, physical_handle handle,
+    std::map<device_ptr, Mapping>::iterator next) {
   // An unaligned address is CUDA_ERROR_NOT_SUPPORTED on a real driver (580.159, H200,
   // scripts/gpucheck/rules.py), an unaligned size CUDA_ERROR_INVALID_VALUE.
   if (ptr % granularity_ != 0)
@@ -93,7 +112,6 @@ void HostDevice::map(device_ptr ptr, std::size_t size, physical_handle handle) {
     fail(DriverCall::map,
          "the range " + address_range(ptr, size) + " is not inside one reservation",
          cu_result::invalid_value);
-  auto next = mappings_.lower_bound(ptr);
   auto overlap = mappings_.end();
   if (next != mappings_.end() && next->first < ptr + size) overlap = next;
   if (next != mappings_.begin() && std::prev(next)->first + std::prev(next)->second.size > ptr)
@@ -106,8 +124,8 @@ void HostDevice::map(device_ptr ptr, std::size_t size, physical_handle handle) {
          cu_result::invalid_value);
   // Recorded first, so that a bad_alloc cannot leave pages mapped that nothing tracks; taken
   // out again if the mapping fails.
-  // At `next`, found above: one walk down the tree, not two (thousands of chunks mapped); in a
-  // node an unmap left when there is one (no allocation).
+  // At `next`, the caller's lower bound: no second walk down the tree (thousands of chunks
+  // mapped); in a node an unmap left when there is one (no allocation).
   std::map<device_ptr, Mapping>::iterator slot;
   if (!spare_mappings_.empty()) {
     auto node = std::move(spare_mappings_.back());
@@ -142,6 +160,7 @@ void HostDevice::map(device_ptr ptr, std::size_t size, physical_handle handle) {
   }
   ++p->second.mappings;
   bytes_mapped_ += size;
+  return slot;
 }
 
 void HostDevice::unmap(device_ptr ptr, std::size_t size) {

@@ -94,6 +94,8 @@ class HostDevice : public Device {
   device_ptr reserve(std::size_t size, std::size_t alignment) override;
   void free_address(device_ptr ptr, std::size_t size) override;
   void map(device_ptr ptr, std::size_t size, physical_handle handle) override;
+  void map_chunks(device_ptr base, std::size_t size, const physical_handle* handles,
+                  std::size_t n, std::size_t& mapped) override;
   void unmap(device_ptr ptr, std::size_t size) override;
   void set_access(device_ptr ptr, std::size_t size) override;
 
@@ -149,6 +151,12 @@ class HostDevice : public Device {
 
   // Bookkeeping helpers; the caller holds mutex_.
   [[noreturn]] void fail(DriverCall call, const std::string& rule, int code) const;
+  // map()'s work under mutex_ (held unique); `next` is the first mapping at or after ptr
+  // (mappings_.lower_bound(ptr)). Returns the new mapping's node: `next` stays its successor,
+  // and so the lower bound of the chunk right after it.
+  std::map<device_ptr, Mapping>::iterator map_locked(
+      device_ptr ptr, std::size_t size, physical_handle handle,
+      std::map<device_ptr, Mapping>::iterator next);
   Reservation* reservation_containing(device_ptr ptr, std::size_t size);
   // The mappings exactly covering [ptr, ptr+size) contiguously inside one reservation, or
   // an empty result with `why` set.
