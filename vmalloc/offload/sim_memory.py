@@ -82,27 +82,29 @@ class _Memory:
         self.alloc = alloc
         self.seq = seq
         self.nbytes = [x.nbytes for x in seq.variables]
+        self._request = [max(1, n) for n in self.nbytes]   # allocate(0) would be no allocation
         self.ptr: Dict[int, int] = {}
         self.unmapped: Dict[int, int] = {}   # pointer-stable swap-out (unmap_backing)
         self.stable = stable
         self.samples = [] if record else None
         self.where = None  # (index, name) for OOM reports
         self.device = device
+        # modeled_cost, not counters(): the same two figures without a 28-entry dict, read
+        # around every acquire and release (a tenth of a simulation); bound once
+        self._modeled = device.modeled_cost if device is not None else None
         self.va_seconds = 0.0
         self.va_calls = 0
         self._mark()
 
     def _mark(self):
-        if self.device is not None:
-            self._seconds, self._calls = self.device.modeled_cost()
+        if self._modeled is not None:
+            self._seconds, self._calls = self._modeled()
 
     def _cost(self):
         """Host seconds of the mapping calls since the last mark."""
-        if self.device is None:
+        if self._modeled is None:
             return 0.0
-        # modeled_cost, not counters(): the same two figures without a 28-entry dict, read
-        # around every acquire and release (a tenth of a simulation)
-        seconds, calls = self.device.modeled_cost()
+        seconds, calls = self._modeled()
         dt = seconds - self._seconds
         self.va_calls += calls - self._calls
         self._seconds = seconds
@@ -121,14 +123,13 @@ class _Memory:
             self.samples.append((t, s.requested_bytes, s.reserved_bytes))
 
     def acquire(self, v, t):
-        n = max(1, self.nbytes[v])
         try:
             if self.stable and v in self.unmapped:
                 p = self.unmapped.pop(v)
                 self.alloc.map_backing(p)
                 self.ptr[v] = p
             else:
-                self.ptr[v] = self.alloc.allocate(n)
+                self.ptr[v] = self.alloc.allocate(self._request[v])
         except vmalloc.OutOfMemoryError as e:
             raise _OOM(str(e)) from None
         dt = self._cost()
