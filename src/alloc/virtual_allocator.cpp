@@ -489,7 +489,7 @@ std::size_t VirtualAllocator::release_cached() {
       cached_chunks_ += r->count;
       throw;
     }
-    for (physical_handle h : handles) pool_.give_back(h);
+    pool_.give_back(handles);
   }
   // Reservations quarantined by a failed rollback: unmap their chunks into the pool's cache.
   for (auto& e : reservations_) {
@@ -599,7 +599,7 @@ void VirtualAllocator::unmap_backing(device_ptr ptr, stream_t stream, bool synch
   unbacked_chunks_ += k;
   unbacked_bytes_ += r->requested;
   counters_.unback(r->requested, k * chunk_size_);
-  for (physical_handle h : handles) pool_.give_back(h);  // capacity reserved: cannot throw
+  pool_.give_back(handles);  // capacity reserved: cannot throw
 }
 
 void VirtualAllocator::unmap_leftovers(Range* r) {

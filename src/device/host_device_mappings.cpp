@@ -131,10 +131,10 @@ std::map<device_ptr, HostDevice::Mapping>::iterator HostDevice::map_locked(
     auto node = std::move(spare_mappings_.back());
     spare_mappings_.pop_back();
     node.key() = ptr;
-    node.mapped() = Mapping{size, handle, {}};
+    node.mapped() = Mapping{size, handle, {}, &p->second};
     slot = mappings_.insert(next, std::move(node));
   } else {
-    slot = mappings_.emplace_hint(next, ptr, Mapping{size, handle, {}});
+    slot = mappings_.emplace_hint(next, ptr, Mapping{size, handle, {}, &p->second});
   }
   if (backed_) {
     try {
@@ -197,8 +197,8 @@ void HostDevice::unmap(device_ptr ptr, std::size_t size) {
     bytes_mapped_ -= m.size;
     bytes_accessible_ -= m.accessible_bytes();
     vmas += m.vmas();
-    auto p = physical_.find(m.handle);
-    if (--p->second.mappings == 0 && p->second.released) free_physical(p);
+    if (--m.physical->mappings == 0 && m.physical->released)
+      free_physical(physical_.find(m.handle));
     const auto following = std::next(it);
     if (spare_mappings_.size() < spare_mappings_.capacity())
       spare_mappings_.push_back(mappings_.extract(it));

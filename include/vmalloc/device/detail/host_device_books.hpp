@@ -104,6 +104,9 @@ struct HostDevice::Mapping {
   std::size_t size = 0;
   physical_handle handle = 0;
   HostDeviceAccessIntervals access;
+  // handle's record in physical_: it outlives its mappings, and an unordered_map's elements
+  // stay put when it rehashes, so unmap needs no lookup per chunk.
+  Physical* physical = nullptr;
   // The first offset in [lo, hi) without access, or hi.
   std::size_t first_inaccessible(std::size_t lo, std::size_t hi) const {
     // the last interval starting at or before lo
