@@ -224,18 +224,32 @@ void HostDevice::set_access(device_ptr ptr, std::size_t size) {
     fail(DriverCall::set_access, why, cu_result::invalid_value);
   const device_ptr end = ptr + size;
   // Work out the new access sets first, so a refusal (VMA budget, mprotect) changes nothing.
-  std::vector<std::pair<Mapping*, Mapping>> updates;
+  // Nearly always each mapping is left with one interval: kept as that interval, applied in
+  // place (no copy of the mapping); otherwise as an updated copy.
+  struct Update {
+    Mapping* mapping;
+    HostDeviceAccessIntervals::Interval merged;
+  };
+  std::vector<Update> updates;
+  std::vector<std::pair<Mapping*, Mapping>> copies;
   // Every mapping is a multiple of the granularity: at most this many, one allocation.
   updates.reserve(size / granularity_ + 2);
   std::size_t vmas_before = 0, vmas_after = 0;
   for (auto it = first; it != mappings_.end() && it->first < end; ++it) {
-    Mapping updated = it->second;
+    Mapping& m = it->second;
     const std::size_t lo = std::max(ptr, it->first) - it->first;
-    const std::size_t hi = std::min(end, it->first + it->second.size) - it->first;
-    updated.add(lo, hi);
-    vmas_before += it->second.vmas();
-    vmas_after += updated.vmas();
-    updates.emplace_back(&it->second, std::move(updated));
+    const std::size_t hi = std::min(end, it->first + m.size) - it->first;
+    vmas_before += m.vmas();
+    HostDeviceAccessIntervals::Interval merged;
+    if (m.access.merged_one(lo, hi, &merged)) {
+      vmas_after += m.vmas_with_one(merged);
+      updates.push_back({&m, merged});
+    } else {
+      Mapping updated = m;
+      updated.add(lo, hi);
+      vmas_after += updated.vmas();
+      copies.emplace_back(&m, std::move(updated));
+    }
   }
   if (vmas_after > vmas_before) reserve_vmas(vmas_after - vmas_before, DriverCall::set_access);
   if (backed_ && ::mprotect(reinterpret_cast<void*>(ptr), size, PROT_READ | PROT_WRITE) != 0) {
@@ -246,7 +260,11 @@ void HostDevice::set_access(device_ptr ptr, std::size_t size) {
          cu_result::out_of_memory);
   }
   if (vmas_after < vmas_before) return_vmas(vmas_before - vmas_after);
-  for (auto& [mapping, updated] : updates) {
+  for (const Update& u : updates) {
+    bytes_accessible_ += (u.merged.second - u.merged.first) - u.mapping->accessible_bytes();
+    u.mapping->access.set_one(u.merged);
+  }
+  for (auto& [mapping, updated] : copies) {
     bytes_accessible_ += updated.accessible_bytes() - mapping->accessible_bytes();
     *mapping = std::move(updated);
   }

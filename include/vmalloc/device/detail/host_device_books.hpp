@@ -55,6 +55,24 @@ class HostDeviceAccessIntervals {
   const Interval& front() const noexcept { return *begin(); }
   const Interval& back() const noexcept { return *(end() - 1); }
 
+  // Whether adding [lo, hi) leaves one interval (the usual case: no intervals yet, or one that
+  // [lo, hi) touches), and which: then set_one() applies it and cannot fail.
+  bool merged_one(std::size_t lo, std::size_t hi, Interval* out) const noexcept {
+    if (n_ == 0) {
+      *out = {lo, hi};
+      return true;
+    }
+    if (n_ == 1 && one_.first <= hi && lo <= one_.second) {
+      *out = {std::min(lo, one_.first), std::max(hi, one_.second)};
+      return true;
+    }
+    return false;
+  }
+  void set_one(const Interval& i) noexcept {  // after merged_one(): many_ is empty
+    one_ = i;
+    n_ = 1;
+  }
+
   // Adds [lo, hi), merging what it touches. Strong guarantee: a bad_alloc (from the rare
   // path with several intervals) changes nothing.
   void add(std::size_t lo, std::size_t hi) {
@@ -131,6 +149,10 @@ struct HostDevice::Mapping {
   }
   // Upper bound of the VMAs the mapping adds: its pieces, plus the split of the reservation.
   std::size_t vmas() const { return 1 + pieces(); }
+  // vmas() were `i` its only access interval.
+  std::size_t vmas_with_one(const HostDeviceAccessIntervals::Interval& i) const {
+    return 2 + (i.first > 0 ? 1 : 0) + (i.second < size ? 1 : 0);
+  }
 };
 
 struct HostDevice::HostBlock {
