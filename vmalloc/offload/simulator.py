@@ -162,41 +162,28 @@ def link_description(gpu) -> str:
 
 
 def function_seconds(seq, gpu) -> List[float]:
-    """The model's duration of each function of ``seq`` on ``gpu`` (a new list)."""
+    """The model's duration of each function of ``seq`` on ``gpu`` (a new list). Kept per
+    (sequence, GPU) while the sequence's functions and variables are the same: a plan
+    simulates one sequence dozens of times (``_function_seconds.computed`` counts the work)."""
     gpu = get_gpu(gpu)
-    # A plan simulates one sequence dozens of times on one GPU: the durations are kept per
-    # (sequence, GPU) while its functions and variables are the very same objects.
+    content = (tuple(seq.functions), tuple(seq.variables))
     cached = _SECONDS.get(seq)
-    if cached is not None:
-        funcs, variables, by_gpu = cached
-        if funcs == tuple(seq.functions) and variables == tuple(seq.variables):
-            if gpu in by_gpu:
-                return list(by_gpu[gpu])
-        else:
-            cached = None
-    out = _function_seconds(seq, gpu)
-    if cached is None:
-        cached = (tuple(seq.functions), tuple(seq.variables), {})
-        _SECONDS[seq] = cached
-    cached[2][gpu] = tuple(out)
-    return out
+    if cached is None or cached[0] != content:
+        cached = _SECONDS[seq] = (content, {})
+    if gpu not in cached[1]:
+        cached[1][gpu] = tuple(_function_seconds(seq, gpu))
+    return list(cached[1][gpu])
 
 
-#: function_seconds() by sequence (weakly: gone with it): (its functions, its variables,
-#: {GPU: durations}). ``_function_seconds.computed`` counts the computations (for tests).
-_SECONDS = weakref.WeakKeyDictionary()
+_SECONDS = weakref.WeakKeyDictionary()   # sequence -> ((functions, variables), {GPU: seconds})
 
 
 def _function_seconds(seq, gpu):
     _function_seconds.computed += 1
-    out = []
     var = seq.variables
-    for f in seq.functions:
-        if f.seconds is not None:
-            out.append(f.seconds)
-        else:
-            out.append(gpu.compute_seconds(f.flops, sum(var[v].nbytes for v in f.uses)))
-    return out
+    return [f.seconds if f.seconds is not None
+            else gpu.compute_seconds(f.flops, sum(var[v].nbytes for v in f.uses))
+            for f in seq.functions]
 
 
 _function_seconds.computed = 0
