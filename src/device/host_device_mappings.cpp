@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <iterator>
 #include <new>
@@ -66,7 +67,7 @@ bool HostDevice::covering_mappings(device_ptr ptr, std::size_t size, bool whole_
 void HostDevice::map(device_ptr ptr, std::size_t size, physical_handle handle) {
   count(DriverCall::map);
   std::unique_lock<std::shared_mutex> lock(mutex_);
-  map_locked(ptr, size, handle, mappings_.lower_bound(ptr));
+  map_locked(ptr, size, handle, mappings_.lower_bound(ptr), /*inside=*/false);
 }
 
 void HostDevice::map_chunks(device_ptr base, std::size_t size, const physical_handle* handles,
@@ -76,15 +77,18 @@ void HostDevice::map_chunks(device_ptr base, std::size_t size, const physical_ha
   // Chunk i + 1 goes right after chunk i: the mapping after the run's first address stays the
   // successor of each new one, so the tree is walked once for the run, not once per chunk.
   const auto next = mappings_.lower_bound(base + mapped * size);
+  // A reservation holding the whole run holds each chunk: map's check, once for the run.
+  const bool inside = size != 0 && n - mapped <= SIZE_MAX / size &&
+                      reservation_containing(base + mapped * size, (n - mapped) * size);
   for (; mapped < n; ++mapped) {
     count(DriverCall::map);
-    map_locked(base + mapped * size, size, handles[mapped], next);
+    map_locked(base + mapped * size, size, handles[mapped], next, inside);
   }
 }
 
 std::map<device_ptr, HostDevice::Mapping>::iterator HostDevice::map_locked(
     device_ptr ptr, std::size_t size, physical_handle handle,
-    std::map<device_ptr, Mapping>::iterator next) {
+    std::map<device_ptr, Mapping>::iterator next, bool inside) {
   // An unaligned address is CUDA_ERROR_NOT_SUPPORTED on a real driver (580.159, H200,
   // scripts/gpucheck/rules.py), an unaligned size CUDA_ERROR_INVALID_VALUE.
   if (ptr % granularity_ != 0)
@@ -108,7 +112,7 @@ std::map<device_ptr, HostDevice::Mapping>::iterator HostDevice::map_locked(
          "size " + std::to_string(size) + " exceeds the size of allocation " + hex(handle) +
              " (" + std::to_string(p->second.size) + " bytes)",
          cu_result::invalid_value);
-  if (reservation_containing(ptr, size) == nullptr)
+  if (!inside && reservation_containing(ptr, size) == nullptr)
     fail(DriverCall::map,
          "the range " + address_range(ptr, size) + " is not inside one reservation",
          cu_result::invalid_value);

@@ -152,11 +152,12 @@ class HostDevice : public Device {
   // Bookkeeping helpers; the caller holds mutex_.
   [[noreturn]] void fail(DriverCall call, const std::string& rule, int code) const;
   // map()'s work under mutex_ (held unique); `next` is the first mapping at or after ptr
-  // (mappings_.lower_bound(ptr)). Returns the new mapping's node: `next` stays its successor,
-  // and so the lower bound of the chunk right after it.
+  // (mappings_.lower_bound(ptr)); `inside`: [ptr, ptr+size) is known to lie in one
+  // reservation. Returns the new mapping's node: `next` stays its successor, and so the lower
+  // bound of the chunk right after it.
   std::map<device_ptr, Mapping>::iterator map_locked(
       device_ptr ptr, std::size_t size, physical_handle handle,
-      std::map<device_ptr, Mapping>::iterator next);
+      std::map<device_ptr, Mapping>::iterator next, bool inside);
   Reservation* reservation_containing(device_ptr ptr, std::size_t size);
   // The mappings exactly covering [ptr, ptr+size) contiguously inside one reservation, or
   // an empty result with `why` set.
