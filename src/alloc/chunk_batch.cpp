@@ -26,8 +26,7 @@ ChunkBatch::~ChunkBatch() {
 }
 
 void ChunkBatch::take_cached() {
-  for (physical_handle h; chunks_.size() < want_ && (h = pool_.take_cached()) != 0;)
-    chunks_.push_back(h);
+  pool_.take_cached(chunks_, want_);  // one lock for the batch; capacity reserved
 }
 
 void ChunkBatch::create() {

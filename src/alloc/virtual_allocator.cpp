@@ -252,8 +252,8 @@ VirtualAllocator::Range* VirtualAllocator::map_new_range(std::size_t k, std::siz
 
 void VirtualAllocator::map_run(device_ptr base, const detail::ChunkBatch& batch,
                                std::size_t& mapped) {
-  for (; mapped < batch.size(); ++mapped)
-    device_->map(base + mapped * chunk_size_, chunk_size_, batch[mapped]);
+  // One call for the run: the device may do its books once (each chunk is still a cuMemMap).
+  device_->map_chunks(base, chunk_size_, batch.data(), batch.size(), mapped);
   device_->set_access(base, batch.size() * chunk_size_);  // one call over the whole run
 }
 
@@ -489,7 +489,7 @@ std::size_t VirtualAllocator::release_cached() {
       cached_chunks_ += r->count;
       throw;
     }
-    for (physical_handle h : handles) pool_.give_back(h);
+    pool_.give_back(handles);
   }
   // Reservations quarantined by a failed rollback: unmap their chunks into the pool's cache.
   for (auto& e : reservations_) {
@@ -599,7 +599,7 @@ void VirtualAllocator::unmap_backing(device_ptr ptr, stream_t stream, bool synch
   unbacked_chunks_ += k;
   unbacked_bytes_ += r->requested;
   counters_.unback(r->requested, k * chunk_size_);
-  for (physical_handle h : handles) pool_.give_back(h);  // capacity reserved: cannot throw
+  pool_.give_back(handles);  // capacity reserved: cannot throw
 }
 
 void VirtualAllocator::unmap_leftovers(Range* r) {

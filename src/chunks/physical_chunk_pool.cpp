@@ -101,6 +101,30 @@ void PhysicalChunkPool::give_back(physical_handle chunk) {
   cached_.push_back(chunk);
 }
 
+void PhysicalChunkPool::give_back(const std::vector<physical_handle>& chunks) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  cached_.reserve(cached_.size() + chunks.size());
+  for (physical_handle chunk : chunks) {
+    auto it = given_out_.find(chunk);
+    if (it == given_out_.end())
+      throw InvalidArgument("PhysicalChunkPool: handle " + std::to_string(chunk) +
+                            " is not a chunk of this pool in use (unknown or already given "
+                            "back)");
+    given_out_.erase(it);
+    cached_.push_back(chunk);  // within the capacity reserved above
+  }
+}
+
+void PhysicalChunkPool::take_cached(std::vector<physical_handle>& out, std::size_t want) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  while (out.size() < want && !cached_.empty()) {
+    const physical_handle h = cached_.back();
+    given_out_.insert(h);  // may throw bad_alloc: then the chunk is still cached
+    cached_.pop_back();
+    out.push_back(h);      // within the caller's capacity
+  }
+}
+
 void PhysicalChunkPool::reserve_cache(std::size_t more) {
   std::lock_guard<std::mutex> lock(mutex_);
   cached_.reserve(cached_.size() + more);

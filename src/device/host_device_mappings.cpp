@@ -5,7 +5,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
+#include <iterator>
+#include <new>
 #include <utility>
 #include <vector>
 
@@ -64,6 +67,28 @@ bool HostDevice::covering_mappings(device_ptr ptr, std::size_t size, bool whole_
 void HostDevice::map(device_ptr ptr, std::size_t size, physical_handle handle) {
   count(DriverCall::map);
   std::unique_lock<std::shared_mutex> lock(mutex_);
+  map_locked(ptr, size, handle, mappings_.lower_bound(ptr), /*inside=*/false);
+}
+
+void HostDevice::map_chunks(device_ptr base, std::size_t size, const physical_handle* handles,
+                            std::size_t n, std::size_t& mapped) {
+  if (mapped >= n) return;
+  std::unique_lock<std::shared_mutex> lock(mutex_);
+  // Chunk i + 1 goes right after chunk i: the mapping after the run's first address stays the
+  // successor of each new one, so the tree is walked once for the run, not once per chunk.
+  const auto next = mappings_.lower_bound(base + mapped * size);
+  // A reservation holding the whole run holds each chunk: map's check, once for the run.
+  const bool inside = size != 0 && n - mapped <= SIZE_MAX / size &&
+                      reservation_containing(base + mapped * size, (n - mapped) * size);
+  for (; mapped < n; ++mapped) {
+    count(DriverCall::map);
+    map_locked(base + mapped * size, size, handles[mapped], next, inside);
+  }
+}
+
+std::map<device_ptr, HostDevice::Mapping>::iterator HostDevice::map_locked(
+    device_ptr ptr, std::size_t size, physical_handle handle,
+    std::map<device_ptr, Mapping>::iterator next, bool inside) {
   // An unaligned address is CUDA_ERROR_NOT_SUPPORTED on a real driver (580.159, H200,
   // scripts/gpucheck/rules.py), an unaligned size CUDA_ERROR_INVALID_VALUE.
   if (ptr % granularity_ != 0)
@@ -87,11 +112,10 @@ void HostDevice::map(device_ptr ptr, std::size_t size, physical_handle handle) {
          "size " + std::to_string(size) + " exceeds the size of allocation " + hex(handle) +
              " (" + std::to_string(p->second.size) + " bytes)",
          cu_result::invalid_value);
-  if (reservation_containing(ptr, size) == nullptr)
+  if (!inside && reservation_containing(ptr, size) == nullptr)
     fail(DriverCall::map,
          "the range " + address_range(ptr, size) + " is not inside one reservation",
          cu_result::invalid_value);
-  auto next = mappings_.lower_bound(ptr);
   auto overlap = mappings_.end();
   if (next != mappings_.end() && next->first < ptr + size) overlap = next;
   if (next != mappings_.begin() && std::prev(next)->first + std::prev(next)->second.size > ptr)
@@ -104,7 +128,18 @@ void HostDevice::map(device_ptr ptr, std::size_t size, physical_handle handle) {
          cu_result::invalid_value);
   // Recorded first, so that a bad_alloc cannot leave pages mapped that nothing tracks; taken
   // out again if the mapping fails.
-  const auto slot = mappings_.emplace(ptr, Mapping{size, handle, {}}).first;
+  // At `next`, the caller's lower bound: no second walk down the tree (thousands of chunks
+  // mapped); in a node an unmap left when there is one (no allocation).
+  std::map<device_ptr, Mapping>::iterator slot;
+  if (!spare_mappings_.empty()) {
+    auto node = std::move(spare_mappings_.back());
+    spare_mappings_.pop_back();
+    node.key() = ptr;
+    node.mapped() = Mapping{size, handle, {}, &p->second};
+    slot = mappings_.insert(next, std::move(node));
+  } else {
+    slot = mappings_.emplace_hint(next, ptr, Mapping{size, handle, {}, &p->second});
+  }
   if (backed_) {
     try {
       reserve_vmas(slot->second.vmas(), DriverCall::map);
@@ -129,6 +164,7 @@ void HostDevice::map(device_ptr ptr, std::size_t size, physical_handle handle) {
   }
   ++p->second.mappings;
   bytes_mapped_ += size;
+  return slot;
 }
 
 void HostDevice::unmap(device_ptr ptr, std::size_t size) {
@@ -138,6 +174,15 @@ void HostDevice::unmap(device_ptr ptr, std::size_t size) {
   std::string why;
   if (!covering_mappings(ptr, size, /*whole_only=*/true, &it, &why))
     fail(DriverCall::unmap, why, cu_result::invalid_value);
+  // Room for this run's nodes among the spares before anything changes (failing to grow it
+  // only keeps fewer), so that the loop below cannot throw.
+  const std::size_t want = std::min(kSpareMappings, spare_mappings_.size() + size / granularity_);
+  if (spare_mappings_.capacity() < want) {
+    try {
+      spare_mappings_.reserve(want);
+    } catch (const std::bad_alloc&) {
+    }
+  }
   if (backed_) {
     // The range reverts to plain reservation: PROT_NONE anonymous pages, no memory.
     void* at = ::mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE,
@@ -150,15 +195,22 @@ void HostDevice::unmap(device_ptr ptr, std::size_t size) {
     }
   }
   const device_ptr end = ptr + size;
+  std::size_t vmas = 0;  // given back once: one atomic for the run, not one per chunk
   while (it != mappings_.end() && it->first < end) {
     const Mapping& m = it->second;
     bytes_mapped_ -= m.size;
     bytes_accessible_ -= m.accessible_bytes();
-    return_vmas(m.vmas());
-    auto p = physical_.find(m.handle);
-    if (--p->second.mappings == 0 && p->second.released) free_physical(p);
-    it = mappings_.erase(it);
+    vmas += m.vmas();
+    if (--m.physical->mappings == 0 && m.physical->released)
+      free_physical(physical_.find(m.handle));
+    const auto following = std::next(it);
+    if (spare_mappings_.size() < spare_mappings_.capacity())
+      spare_mappings_.push_back(mappings_.extract(it));
+    else
+      mappings_.erase(it);
+    it = following;
   }
+  return_vmas(vmas);
   if (checked_) checked_forget(ptr, size, /*reservation=*/false);  // plain reservation again
 }
 
@@ -176,16 +228,32 @@ void HostDevice::set_access(device_ptr ptr, std::size_t size) {
     fail(DriverCall::set_access, why, cu_result::invalid_value);
   const device_ptr end = ptr + size;
   // Work out the new access sets first, so a refusal (VMA budget, mprotect) changes nothing.
-  std::vector<std::pair<Mapping*, Mapping>> updates;
+  // Nearly always each mapping is left with one interval: kept as that interval, applied in
+  // place (no copy of the mapping); otherwise as an updated copy.
+  struct Update {
+    Mapping* mapping;
+    HostDeviceAccessIntervals::Interval merged;
+  };
+  std::vector<Update> updates;
+  std::vector<std::pair<Mapping*, Mapping>> copies;
+  // Every mapping is a multiple of the granularity: at most this many, one allocation.
+  updates.reserve(size / granularity_ + 2);
   std::size_t vmas_before = 0, vmas_after = 0;
   for (auto it = first; it != mappings_.end() && it->first < end; ++it) {
-    Mapping updated = it->second;
+    Mapping& m = it->second;
     const std::size_t lo = std::max(ptr, it->first) - it->first;
-    const std::size_t hi = std::min(end, it->first + it->second.size) - it->first;
-    updated.add(lo, hi);
-    vmas_before += it->second.vmas();
-    vmas_after += updated.vmas();
-    updates.emplace_back(&it->second, std::move(updated));
+    const std::size_t hi = std::min(end, it->first + m.size) - it->first;
+    vmas_before += m.vmas();
+    HostDeviceAccessIntervals::Interval merged;
+    if (m.access.merged_one(lo, hi, &merged)) {
+      vmas_after += m.vmas_with_one(merged);
+      updates.push_back({&m, merged});
+    } else {
+      Mapping updated = m;
+      updated.add(lo, hi);
+      vmas_after += updated.vmas();
+      copies.emplace_back(&m, std::move(updated));
+    }
   }
   if (vmas_after > vmas_before) reserve_vmas(vmas_after - vmas_before, DriverCall::set_access);
   if (backed_ && ::mprotect(reinterpret_cast<void*>(ptr), size, PROT_READ | PROT_WRITE) != 0) {
@@ -196,7 +264,11 @@ void HostDevice::set_access(device_ptr ptr, std::size_t size) {
          cu_result::out_of_memory);
   }
   if (vmas_after < vmas_before) return_vmas(vmas_before - vmas_after);
-  for (auto& [mapping, updated] : updates) {
+  for (const Update& u : updates) {
+    bytes_accessible_ += (u.merged.second - u.merged.first) - u.mapping->accessible_bytes();
+    u.mapping->access.set_one(u.merged);
+  }
+  for (auto& [mapping, updated] : copies) {
     bytes_accessible_ += updated.accessible_bytes() - mapping->accessible_bytes();
     *mapping = std::move(updated);
   }

@@ -970,3 +970,33 @@ def test_steal_first_holds_exactly_the_peak_of_what_is_in_use(ops):
         peak_in_use = max(peak_in_use, c["chunks_live"] + c["chunks_in_arenas"])
         assert c["peak_chunks_held"] == peak_in_use
     check_identities(va, live)
+
+
+def test_map_failing_inside_a_run_is_counted_and_undone():
+    """The chunks of one allocation are mapped in one device call (HostDevice.map_chunks):
+    a refusal at the fourth chunk leaves three mapped, each counted as a cuMemMap, and the
+    allocator undoes all of it (the same calls as one map per chunk made)."""
+    import gc
+
+    from vmalloc import HostDevice
+
+    dev = HostDevice(checked=False)
+    a = vmalloc.VirtualAllocator(dev, chunk_size="2MiB")
+    limit = HostDevice.vma_limit()
+    gc.collect()   # no other device's teardown gives VMAs back in the middle
+    try:
+        # the reservation, then three chunks of two VMAs each
+        HostDevice.set_vma_limit(HostDevice.process_vmas() + 1 + 2 * 3)
+        with pytest.raises(vmalloc.DeviceError, match="memory mappings"):
+            a.allocate(8 << 20)
+    finally:
+        HostDevice.set_vma_limit(limit)
+    c, s = dev.counters(), dev.state()
+    assert {k: c[k] for k in ("create", "reserve", "map", "set_access", "unmap", "release",
+                              "free_address")} == {
+        "create": 4, "reserve": 1, "map": 4, "set_access": 0, "unmap": 1, "release": 4,
+        "free_address": 1}
+    assert (s["mappings"], s["reservations"], s["bytes_created"]) == (0, 0, 0)
+    p = a.allocate(8 << 20)
+    assert dev.state()["mappings"] == 4
+    a.deallocate(p)

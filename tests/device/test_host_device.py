@@ -4,6 +4,7 @@ import mmap
 import threading
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import vmalloc
 from vmalloc import DeviceError, HostDevice, OutOfMemoryError
@@ -125,6 +126,41 @@ def test_partial_set_access_and_fault_address():
     assert dev.state()["bytes_accessible"] == G
     dev.set_access(p + G, G)
     assert dev.state()["bytes_accessible"] == 2 * G
+
+
+@given(ranges=st.lists(st.tuples(st.integers(0, 7), st.integers(1, 8)), max_size=8))
+@settings(max_examples=60, deadline=None)
+def test_partial_set_access_intervals_match_a_model(ranges):
+    """Access set on pieces of one 8-page mapping, in any order: the accessible bytes, the
+    VMAs (one per run of equal protection, plus one) and which pages a copy may touch agree
+    with a page model (the intervals are merged in place; several are the rare path)."""
+    dev = HostDevice(granularity=PAGE, checked=False)
+    p = dev.reserve(8 * PAGE)
+    dev.map(p, 8 * PAGE, dev.create(8 * PAGE))
+    base_vmas = dev.state()["vmas"] - 2   # the mapping: one piece, plus one
+    pages = set()
+    for lo, n in ranges:
+        hi = min(8, lo + n)
+        dev.set_access(p + lo * PAGE, (hi - lo) * PAGE)
+        pages.update(range(lo, hi))
+        runs = 1 + sum((i in pages) != (i - 1 in pages) for i in range(1, 8))
+        s = dev.state()
+        assert s["bytes_accessible"] == len(pages) * PAGE
+        assert s["vmas"] == base_vmas + 1 + runs
+    for i in range(8):
+        if i in pages:
+            dev.write(p + i * PAGE, b"x")
+        else:
+            with pytest.raises(DeviceError, match=hex(p + i * PAGE)):
+                dev.write(p + i * PAGE, b"x")
+    if pages and len(pages) < 8:   # a copy over all of it names the first page without access
+        first = min(set(range(8)) - pages)
+        lo = min(pages)
+        if lo < first:
+            with pytest.raises(DeviceError, match=hex(p + first * PAGE)):
+                dev.write(p + lo * PAGE, b"x" * ((8 - lo) * PAGE))
+    dev.unmap(p, 8 * PAGE)
+    assert dev.state()["vmas"] == base_vmas
 
 
 def test_set_access_spans_adjacent_mappings():

@@ -217,3 +217,31 @@ def test_virtual_address_mapping_is_charged_per_call():
     assert warm.va_calls == 0 and warm.va_seconds == 0
     assert warm.iteration_seconds == pytest.approx(free.iteration_seconds)
     assert "link " in paid.summary() and paid.link.startswith(TOY.link or "unnamed")
+
+
+def test_function_seconds_computed_once_per_sequence_and_gpu():
+    """A plan simulates one sequence dozens of times: the durations are computed once per
+    (sequence, GPU), and again when the sequence's functions or variables change."""
+    from vmalloc.offload import simulator
+    from vmalloc.offload.planner import plan
+
+    seq = FunctionSequence(name="flops", batch=4)
+    a = seq.add_variable(GB)
+    b = seq.add_variable(GB)
+    seq.add_function(inputs=[], outputs=[a], flops=1e11, name="f0")
+    seq.add_function(inputs=[a], outputs=[b], flops=2e11, name="f1")
+    before = simulator._function_seconds.computed
+    p = plan(seq, TOY, "window", "virtual")
+    assert p.tried > 5
+    assert simulator._function_seconds.computed == before + 1
+    assert simulator.function_seconds(seq, TOY) == [0.1, 0.2]
+    assert simulator.function_seconds(seq, "v100-16gb") == simulator.function_seconds(
+        seq, get_gpu("v100-16gb"))
+    assert simulator._function_seconds.computed == before + 2       # one more GPU
+    durations = simulator.function_seconds(seq, TOY)
+    durations.append(9.0)          # a copy: the cache is not the caller's list
+    seq.add_function(inputs=[b], outputs=[a], flops=3e11, name="f2")
+    assert simulator.function_seconds(seq, TOY) == [0.1, 0.2, pytest.approx(0.3)]
+    seq.variables[a] = seq.variables[a]._replace(nbytes=2 * GB)   # replaced in place
+    assert simulator.function_seconds(seq, TOY) == [0.1, 0.2, pytest.approx(0.3)]
+    assert simulator._function_seconds.computed == before + 4

@@ -58,6 +58,12 @@ class PhysicalChunkPool {
   // Returns an unmapped chunk to the cache. Throws InvalidArgument for a handle that is not
   // a chunk of this pool held by a caller.
   void give_back(physical_handle chunk);
+  // give_back() of each of `chunks` in order, under one lock (a run of chunks unmapped at
+  // once); a handle refused stops it there, those before it given back.
+  void give_back(const std::vector<physical_handle>& chunks);
+  // take_cached() until `out` holds `want` chunks or the cache is empty, under one lock;
+  // `out` must have the capacity for them.
+  void take_cached(std::vector<physical_handle>& out, std::size_t want);
   // Makes room in the cache for `more` chunks, so that as many give_back() calls that follow
   // cannot throw bad_alloc (a caller that must not fail after unmapping).
   void reserve_cache(std::size_t more);

@@ -53,6 +53,14 @@ class Device {
   // cuMemMap with offset 0: all `size` bytes of `handle`'s allocation at `ptr`, onto reserved,
   // currently unmapped space inside one reservation. The mapping starts inaccessible.
   virtual void map(device_ptr ptr, std::size_t size, physical_handle handle) = 0;
+  // map() of handles[mapped..n), each `size` bytes, back to back from `base` (chunk i at
+  // base + i * size), counting `mapped` up as each succeeds, so that on a throw it says how
+  // many are mapped. One call per chunk, counted as such; a device may do the run's
+  // bookkeeping at once (HostDevice: one lock and one walk of its mappings for the run).
+  virtual void map_chunks(device_ptr base, std::size_t size, const physical_handle* handles,
+                          std::size_t n, std::size_t& mapped) {
+    for (; mapped < n; ++mapped) map(base + mapped * size, size, handles[mapped]);
+  }
   // cuMemUnmap: whole mappings only (one call may cover several adjacent ones).
   virtual void unmap(device_ptr ptr, std::size_t size) = 0;
   // cuMemSetAccess: read-write for this device over a fully mapped range (may span mappings).

@@ -18,6 +18,7 @@
 #include <shared_mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "vmalloc/device/device.hpp"
 #include "vmalloc/base/errors.hpp"
@@ -93,6 +94,8 @@ class HostDevice : public Device {
   device_ptr reserve(std::size_t size, std::size_t alignment) override;
   void free_address(device_ptr ptr, std::size_t size) override;
   void map(device_ptr ptr, std::size_t size, physical_handle handle) override;
+  void map_chunks(device_ptr base, std::size_t size, const physical_handle* handles,
+                  std::size_t n, std::size_t& mapped) override;
   void unmap(device_ptr ptr, std::size_t size) override;
   void set_access(device_ptr ptr, std::size_t size) override;
 
@@ -148,6 +151,13 @@ class HostDevice : public Device {
 
   // Bookkeeping helpers; the caller holds mutex_.
   [[noreturn]] void fail(DriverCall call, const std::string& rule, int code) const;
+  // map()'s work under mutex_ (held unique); `next` is the first mapping at or after ptr
+  // (mappings_.lower_bound(ptr)); `inside`: [ptr, ptr+size) is known to lie in one
+  // reservation. Returns the new mapping's node: `next` stays its successor, and so the lower
+  // bound of the chunk right after it.
+  std::map<device_ptr, Mapping>::iterator map_locked(
+      device_ptr ptr, std::size_t size, physical_handle handle,
+      std::map<device_ptr, Mapping>::iterator next, bool inside);
   Reservation* reservation_containing(device_ptr ptr, std::size_t size);
   // The mappings exactly covering [ptr, ptr+size) contiguously inside one reservation, or
   // an empty result with `why` set.
@@ -207,6 +217,10 @@ class HostDevice : public Device {
   std::unordered_map<physical_handle, Physical> physical_;
   std::map<device_ptr, Reservation> reservations_;  // by base address
   std::map<device_ptr, Mapping> mappings_;          // by address
+  // Nodes of mappings unmapped, reused by the next maps (at most kSpareMappings): mapping and
+  // unmapping a chunk then allocates nothing (a simulated plan maps ~10^5 chunks).
+  static constexpr std::size_t kSpareMappings = 1 << 16;
+  std::vector<std::map<device_ptr, Mapping>::node_type> spare_mappings_;
   std::map<std::uintptr_t, HostBlock> host_blocks_;  // by base address
   physical_handle next_handle_ = 1;
   device_ptr next_fake_address_;  // unbacked reservations

@@ -21,6 +21,9 @@ class _Engine:
     def __init__(self, bandwidth, both):
         self.bw = bandwidth
         self.both = both
+        # decided once, not per copy (a plan places ~10^5 copies)
+        self._instant = math.isinf(bandwidth)
+        self._never_slowed = both >= bandwidth
         self.starts: List[float] = []
         self.ends: List[float] = []
         self.free_at = 0.0
@@ -37,10 +40,11 @@ class _Engine:
     def copy(self, ready, nbytes, other, extra=0.0):
         """Places a copy of ``nbytes`` that may start at ``ready`` (plus ``extra`` seconds on
         the engine: a compression cast); returns (start, end)."""
-        start = max(ready, self.free_at)
-        if nbytes <= 0 or math.isinf(self.bw):
+        free_at = self.free_at
+        start = free_at if free_at > ready else ready   # max(ready, free_at), without a call
+        if nbytes <= 0 or self._instant:
             end = start
-        elif self.both >= self.bw or not other.starts:
+        elif self._never_slowed or not other.starts:
             end = start + nbytes / self.bw
         else:
             t, left = start, float(nbytes)
@@ -82,27 +86,29 @@ class _Memory:
         self.alloc = alloc
         self.seq = seq
         self.nbytes = [x.nbytes for x in seq.variables]
+        self._request = [max(1, n) for n in self.nbytes]   # allocate(0) would be no allocation
         self.ptr: Dict[int, int] = {}
         self.unmapped: Dict[int, int] = {}   # pointer-stable swap-out (unmap_backing)
         self.stable = stable
         self.samples = [] if record else None
         self.where = None  # (index, name) for OOM reports
         self.device = device
+        # modeled_cost, not counters(): the same two figures without a 28-entry dict, read
+        # around every acquire and release (a tenth of a simulation); bound once
+        self._modeled = device.modeled_cost if device is not None else None
         self.va_seconds = 0.0
         self.va_calls = 0
         self._mark()
 
     def _mark(self):
-        if self.device is not None:
-            self._seconds, self._calls = self.device.modeled_cost()
+        if self._modeled is not None:
+            self._seconds, self._calls = self._modeled()
 
     def _cost(self):
         """Host seconds of the mapping calls since the last mark."""
-        if self.device is None:
+        if self._modeled is None:
             return 0.0
-        # modeled_cost, not counters(): the same two figures without a 28-entry dict, read
-        # around every acquire and release (a tenth of a simulation)
-        seconds, calls = self.device.modeled_cost()
+        seconds, calls = self._modeled()
         dt = seconds - self._seconds
         self.va_calls += calls - self._calls
         self._seconds = seconds
@@ -121,14 +127,13 @@ class _Memory:
             self.samples.append((t, s.requested_bytes, s.reserved_bytes))
 
     def acquire(self, v, t):
-        n = max(1, self.nbytes[v])
         try:
             if self.stable and v in self.unmapped:
                 p = self.unmapped.pop(v)
                 self.alloc.map_backing(p)
                 self.ptr[v] = p
             else:
-                self.ptr[v] = self.alloc.allocate(n)
+                self.ptr[v] = self.alloc.allocate(self._request[v])
         except vmalloc.OutOfMemoryError as e:
             raise _OOM(str(e)) from None
         dt = self._cost()

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections import deque
 import math
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
@@ -161,16 +162,31 @@ def link_description(gpu) -> str:
 
 
 def function_seconds(seq, gpu) -> List[float]:
-    """The model's duration of each function of ``seq`` on ``gpu``."""
+    """The model's duration of each function of ``seq`` on ``gpu`` (a new list). Kept per
+    (sequence, GPU) while the sequence's functions and variables are the same: a plan
+    simulates one sequence dozens of times (``_function_seconds.computed`` counts the work)."""
     gpu = get_gpu(gpu)
-    out = []
+    content = (tuple(seq.functions), tuple(seq.variables))
+    cached = _SECONDS.get(seq)
+    if cached is None or cached[0] != content:
+        cached = _SECONDS[seq] = (content, {})
+    if gpu not in cached[1]:
+        cached[1][gpu] = tuple(_function_seconds(seq, gpu))
+    return list(cached[1][gpu])
+
+
+_SECONDS = weakref.WeakKeyDictionary()   # sequence -> ((functions, variables), {GPU: seconds})
+
+
+def _function_seconds(seq, gpu):
+    _function_seconds.computed += 1
     var = seq.variables
-    for f in seq.functions:
-        if f.seconds is not None:
-            out.append(f.seconds)
-        else:
-            out.append(gpu.compute_seconds(f.flops, sum(var[v].nbytes for v in f.uses)))
-    return out
+    return [f.seconds if f.seconds is not None
+            else gpu.compute_seconds(f.flops, sum(var[v].nbytes for v in f.uses))
+            for f in seq.functions]
+
+
+_function_seconds.computed = 0
 
 
 def in_core_seconds(seq, gpu) -> float:

@@ -58,6 +58,7 @@ class ChunkBatch {
   std::size_t missing() const noexcept { return want_ - chunks_.size(); }
   bool full() const noexcept { return chunks_.size() == want_; }
   physical_handle operator[](std::size_t i) const noexcept { return chunks_[i]; }
+  const physical_handle* data() const noexcept { return chunks_.data(); }
 
   // Chunk i is mapped and a failed rollback could not unmap it: it stays where it is, held
   // (the caller keeps it in its books), and the batch no longer gives it back.
