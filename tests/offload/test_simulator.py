@@ -223,7 +223,7 @@ def test_function_seconds_computed_once_per_sequence_and_gpu():
     """A plan simulates one sequence dozens of times: the durations are computed once per
     (sequence, GPU), and again when the sequence's functions or variables change."""
     from vmalloc.offload import simulator
-    from vmalloc.offload.planner import plan
+    from vmalloc.offload.planning.planner import plan
 
     seq = FunctionSequence(name="flops", batch=4)
     a = seq.add_variable(GB)
