@@ -223,11 +223,17 @@ class OutOfCore:
         out = self.runtime.stats()
         out.update(self._counts)
         out.update(self._steady.counts)
+        pressure = self._steady.pressure
+        out.update(pressure.counts)
+        out["pressure_refused"] = pressure.refused
         out["iterations"] += self._steady.counts["steady_iterations"]
         out["scheduled_iterations"] += self._steady.counts["steady_iterations"]
         out["diverged_iterations"] += self._steady.late
         if self._peak is not None:
             out["peak_device_bytes"] = self._peak
+        if pressure.counts["pressure_iterations"]:    # (its bound: the runtime sees no op)
+            out["peak_device_bytes"] = max(out["peak_device_bytes"],
+                                           pressure.counts["pressure_peak_bound"])
         return out
 
     # --- iterations -----------------------------------------------------------------------
@@ -285,6 +291,7 @@ class OutOfCore:
             self._unschedulable()
 
     def _after_optimizer_step(self, optimizer, args, kwargs):
+        self._steady.pressure.stepped()
         if self._kinds is not None:
             self._kinds.after_step()
         new = optimizer not in self._optimizers
@@ -399,6 +406,8 @@ class OutOfCore:
                     rerun = AtenRerun.make(func, *rerun_args, outs[0], self._tracked)
                     if rerun is not None:
                         rt.set_rerun(rerun)
+            if self._steady.pressure.probing:
+                self._steady.pressure.sample(list(reads) + list(writes) + new)
             if measure is not None and rt.budget is not None:
                 self._unpredicted.ran(func, *measure, sum(b.nbytes for b in new), name)
         except BaseException:
