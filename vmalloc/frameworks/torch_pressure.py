@@ -38,6 +38,8 @@ import sys
 import threading
 import weakref
 
+from vmalloc.frameworks.torch_subclass import is_wrapper
+
 PRE, POST, PACK, UNPACK, GRAD, STEP, OP = range(7)
 
 _light = None
@@ -164,10 +166,9 @@ class Pressure:
     def _unpack(self, handle):
         j, t = handle
         if j is not None and threading.get_ident() == self.thread:
+            # (a storage may still be out here: a node unpacks all it saved before its first
+            # op, and the plan brings each back at the last boundary before its first use)
             self._event((UNPACK, j))
-            if self.active and self.out and t.untyped_storage().data_ptr() in self.out_ptrs:
-                # (cannot happen while the iteration repeats: the plan brings it back first)
-                self._bring_back(t.untyped_storage().data_ptr())
         return t
 
     # --- probation ------------------------------------------------------------------------
@@ -180,7 +181,7 @@ class Pressure:
         self.samples = []       # (time, device bytes) after each op and at each boundary
         self.times = []         # each boundary's time (times count samples and swaps)
         self.uses = {}          # buffer id or persistent slot -> the times ops used it
-        self.unmatched = 0
+        self.foreign = None     # why the boundaries cannot see what the iteration saved
         self._backend = rt.swap
         rt.swap = _Logging(rt.swap, self._note)
         self._install()
@@ -247,6 +248,10 @@ class Pressure:
             self.times.append(self._now())
             self.sample()
             if tensor is not None:
+                if is_wrapper(tensor) or tensor.layout != sys.modules["torch"].strided:
+                    self.foreign = (f"a {type(tensor).__name__} ({tensor.layout}) was saved: "
+                                    "its storages are not seen at a boundary")
+                    return
                 buf = self.driver._storages.known(tensor.untyped_storage())
                 if buf is not None and buf.id not in self.exposed:
                     self.exposed[buf.id] = i      # (a storage is named by its first)

@@ -77,11 +77,31 @@ class _Plan:
         return best
 
 
+def _spans(run, uses):
+    """A storage's swaps as the times it was out, [(out, in)] (None: out at the iteration's
+    start or end), spans with no use between them merged; or why not."""
+    spans = []
+    if run and run[0][1] == "in":
+        run = [(None, "out", None, None)] + run
+    for i in range(0, len(run), 2):
+        if run[i][1] != "out" or (i + 1 < len(run) and run[i + 1][1] != "in"):
+            return "a storage was swapped in or out twice"
+        t1, t2 = run[i][3], run[i + 1][3] if i + 1 < len(run) else None
+        if spans and not any(spans[-1][1] < u < t1 for u in uses):
+            spans[-1] = (spans[-1][0], t2)      # (brought back for nothing: stays out)
+        else:
+            spans.append((t1, t2))
+    if spans == [(None, None)]:
+        return "a storage was out throughout the iteration"
+    return spans
+
+
 def make_plan(pressure):
     """((actions by boundary, slots bound, cycle, bound of the device bytes), None), or
     (None, why)."""
+    if pressure.foreign is not None:
+        return None, pressure.foreign
     plan = _Plan(pressure)
-    n = plan.n
     runs = {}
     for gap, what, slot, nbytes, t in pressure.log:
         runs.setdefault(slot, []).append((gap, what, nbytes, t))
@@ -96,29 +116,24 @@ def make_plan(pressure):
             if exposed is None:
                 return None, "a storage it swapped was never seen at a boundary"
             slot = exposed
-        if run[0][1] == "in":
-            # Out since the last iteration (a persistent storage the optimizer step left out):
-            # back at its boundary, out again at the iteration's end.
-            if not persistent or run[-1][1] != "out" or run[0][0] < 1:
-                return None, "a storage was out when the iteration began"
-            k2, _, nb, t2 = run.pop(0)
-            k1, _, _, t1 = run.pop()
-            at_in, at_out = plan.in_at(t2, uses), plan.out_at(t1, uses)
-            if at_out <= at_in:
-                return None, "a persistent storage is swapped in and out with no use between"
-            plan.swap_in(slot, t2, at_in, nb)
-            plan.out(slot, t1, at_out, nb)
-            plan.cycle.append(slot)
-        for i in range(0, len(run), 2):
-            k1, what, nb, t1 = run[i]
-            if what != "out":
-                return None, "a storage was swapped in twice"
-            if i + 1 < len(run):
-                plan.pair(slot, t1, run[i + 1][3], nb, exposed, uses)
-            elif persistent:
-                return None, "a persistent storage stays out at the iteration's end"
-            else:                       # freed while out
-                plan.out(slot, t1, plan.out_at(t1, uses, exposed), nb)
+        spans = _spans(run, uses)
+        if isinstance(spans, str):
+            return None, spans
+        nb = run[0][2]
+        for t1, t2 in spans:
+            if t1 is None:
+                # Out since the last iteration (a persistent storage the optimizer step left
+                # out): back before its first use, out again at the iteration's end.
+                if not persistent or spans[-1][1] is not None:
+                    return None, "a storage was out when the iteration began"
+                plan.swap_in(slot, t2, plan.in_at(t2, uses), nb)
+                plan.cycle.append(slot)
+            elif t2 is None:
+                if persistent and spans[0][0] is not None:
+                    return None, "a persistent storage stays out at the iteration's end"
+                plan.out(slot, t1, plan.out_at(t1, uses, exposed), nb)   # (or freed out)
+            else:
+                plan.pair(slot, t1, t2, nb, exposed, uses)
     bound = plan.bound(pressure.samples)
     budget = pressure.driver.runtime.budget
     if budget is not None and bound > budget:
