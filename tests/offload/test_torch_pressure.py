@@ -187,3 +187,34 @@ def test_plan_never_has_a_storage_out_across_one_of_its_uses(draw):
                 assert not any(out_since < u < t for u in uses)
                 state = "resident"
     assert state == "resident"
+
+
+def _pressure_hooks():
+    """The saved-tensor hooks of a steady state under pressure, installed as in one."""
+    from vmalloc.frameworks.torch_pressure import Pressure
+    steady = type("S", (), {"driver": None, "running": False})()
+    p = Pressure(steady)
+    p.thread, p.n, p.active, p.probing = None, 0, False, False
+    return torch.autograd.graph.saved_tensors_hooks(p._pack, p._unpack)
+
+
+def test_an_inplace_change_of_a_saved_tensor_still_raises_under_the_hooks():
+    x = torch.randn(10, requires_grad=True)
+    with _pressure_hooks():
+        y = x.exp()            # saves its output
+        y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*at version 1; "
+                                           "expected version 0"):
+        y.sum().backward()
+
+
+def test_a_saved_output_is_freed_without_a_backward_under_the_hooks():
+    import gc
+    import weakref
+    x = torch.randn(10, requires_grad=True)
+    with _pressure_hooks():
+        y = x.exp()
+    ref = weakref.ref(y)
+    del y
+    gc.collect()
+    assert ref() is None

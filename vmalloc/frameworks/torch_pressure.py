@@ -157,14 +157,23 @@ class Pressure:
             self._event((GRAD, i), p.grad)
 
     def _pack(self, t):
+        # A detached alias (same storage, same version counter): the tensor itself would make
+        # a saved output keep its own node alive in a cycle the garbage collector never frees
+        # when no backward runs; its version is checked at unpack, as autograd does.
         if threading.get_ident() != self.thread:
-            return (None, t)
+            return (None, t.detach(), t._version)
         j = self.n
         self._event((PACK, t.shape, t.dtype), t)
-        return (j, t)
+        return (j, t.detach(), t._version)
 
     def _unpack(self, handle):
-        j, t = handle
+        j, t, version = handle
+        if t._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: a saved tensor of shape {list(t.shape)} is at version "
+                f"{t._version}; expected version {version} instead (checked by "
+                "vmalloc.torch.out_of_core's saved-tensor hooks, as autograd does)")
         if j is not None and threading.get_ident() == self.thread:
             # (a storage may still be out here: a node unpacks all it saved before its first
             # op, and the plan brings each back at the last boundary before its first use)
