@@ -65,6 +65,19 @@ def _light_mode(pressure):
 
 
 
+def _tensors(obj):
+    """The tensors a boundary exposes: a tensor, or those among a tuple's, list's or dict's
+    items (a module's arguments or output; Hugging Face's outputs are dicts)."""
+    Tensor = sys.modules["torch"].Tensor
+    if isinstance(obj, Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = obj.values()
+    elif not isinstance(obj, (tuple, list)):
+        return []
+    return [t for t in obj if isinstance(t, Tensor)]
+
+
 class _Logging:
     """The backend, with the swaps the runtime issues noted (the probation's proxy)."""
 
@@ -132,12 +145,12 @@ class Pressure:
         if threading.get_ident() == self.thread:
             Tensor = sys.modules["torch"].Tensor
             self._event((PRE, type(module), tuple([(a.shape, a.dtype) for a in args
-                                                   if isinstance(a, Tensor)])))
+                                                   if isinstance(a, Tensor)])), args)
             self.steady.running = True
 
     def _post(self, module, args, out):
         if threading.get_ident() == self.thread:
-            self._event((POST, type(module)))
+            self._event((POST, type(module)), out)
 
     def _step(self, opt, args, kwargs):
         if threading.get_ident() == self.thread:
@@ -231,7 +244,10 @@ class Pressure:
         self.refused = why
         if plan is None:
             return False
-        self.actions, self.slots, self.cycle, bound = plan
+        self.actions, slots, self.cycle, bound = plan
+        self.slots = {}         # boundary -> positions of the tensors it binds
+        for slot in sorted(slots):
+            self.slots.setdefault(slot >> 16, []).append(slot & 0xFFFF)
         self.counts["pressure_peak_bound"] = max(self.counts["pressure_peak_bound"], bound)
         return True
 
@@ -249,21 +265,25 @@ class Pressure:
                 self.out_ptrs[slot[1]] = slot
         self._install()
 
-    def _event(self, key, tensor=None):
+    def _event(self, key, exposes=None):
+        """Boundary i, with what it exposes (a tensor, or a module's arguments or output:
+        their tensors, one level deep): slot ``i << 16 | k`` names the storage of its k-th
+        tensor."""
         i = self.n
         self.n = i + 1
         if self.probing:
             self.keys.append(key)
             self.times.append(self._now())
             self.sample()
-            if tensor is not None:
+            for k, tensor in enumerate(_tensors(exposes)):
                 if is_wrapper(tensor) or tensor.layout != sys.modules["torch"].strided:
-                    self.foreign = (f"a {type(tensor).__name__} ({tensor.layout}) was saved: "
-                                    "its storages are not seen at a boundary")
-                    return
+                    if key[0] == PACK:
+                        self.foreign = (f"a {type(tensor).__name__} ({tensor.layout}) was "
+                                        "saved: its storages are not seen at a boundary")
+                    continue
                 buf = self.driver._storages.known(tensor.untyped_storage())
                 if buf is not None and buf.id not in self.exposed:
-                    self.exposed[buf.id] = i      # (a storage is named by its first)
+                    self.exposed[buf.id] = i << 16 | k    # (a storage is named by its first)
             return
         if not self.active:
             return
@@ -278,11 +298,17 @@ class Pressure:
             # Freed since: the runtime forgets them (a host copy of one freed while out is
             # dropped) before PyTorch's next storage at that address is swapped.
             self.driver._storages.collect()
-        if tensor is not None and i in self.slots:
-            s = tensor.untyped_storage()
-            # Weak: the replay must not keep alive what the program frees.
-            self.bound[i] = weakref.ref(s, lambda r, i=i: self.dead.append(i))
-            self.driver.backend.register(s.data_ptr(), s)
+        binds = self.slots.get(i)
+        if binds is not None:
+            tensors = _tensors(exposes)
+            for k in binds:
+                if k >= len(tensors):
+                    continue      # (not there: its swaps are skipped, nothing read out)
+                s = tensors[k].untyped_storage()
+                slot = i << 16 | k
+                # Weak: the replay must not keep alive what the program frees.
+                self.bound[slot] = weakref.ref(s, lambda r, slot=slot: self.dead.append(slot))
+                self.driver.backend.register(s.data_ptr(), s)
         acts = self.actions.get(i)
         if acts:
             self._act(acts)

@@ -36,7 +36,7 @@ class _Plan:
         swap-out: an eviction made room inside a later op, which has no boundary of its
         own) and not before the boundary that exposes it."""
         last = max((u for u in uses if u < t), default=-1)
-        return max(bisect.bisect_right(self.times, last), exposed)
+        return max(bisect.bisect_right(self.times, last), exposed >> 16)
 
     def in_at(self, t, uses):
         """The last boundary before its next use after time t (the probation's swap-in: a
@@ -96,6 +96,19 @@ def _spans(run, uses):
     return spans
 
 
+def _resident(plan, run):
+    """A storage the replay cannot swap: held over every span the probation had it out."""
+    t1 = None
+    for _, what, nbytes, t in run:
+        if what == "out":
+            t1 = t
+        elif t1 is not None:
+            plan.holds.append((t1, t, nbytes))
+            t1 = None
+    if t1 is not None:
+        plan.holds.append((t1, float("inf"), nbytes))
+
+
 def make_plan(pressure):
     """((actions by boundary, slots bound, cycle, bound of the device bytes), None), or
     (None, why)."""
@@ -114,7 +127,10 @@ def make_plan(pressure):
         if not persistent:
             exposed = pressure.exposed.get(slot)
             if exposed is None:
-                return None, "a storage it swapped was never seen at a boundary"
+                # Never at a boundary (a gradient summed inside the engine before it reaches
+                # a parameter: tied weights): it stays resident, its bytes counted.
+                _resident(plan, run)
+                continue
             slot = exposed
         spans = _spans(run, uses)
         if isinstance(spans, str):
