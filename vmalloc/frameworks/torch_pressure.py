@@ -40,63 +40,8 @@ import weakref
 
 from vmalloc.frameworks.torch_subclass import is_wrapper
 
-PRE, POST, PACK, UNPACK, GRAD, STEP, OP = range(7)
-
-_light = None
-
-
-def _light_mode(pressure):
-    """A dispatch mode for the optimizer's step only: one boundary per op and nothing else
-    (an optimizer's per-parameter loop has no hook of its own; its swaps are one per op)."""
-    global _light
-    if _light is None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        class _StepOps(TorchDispatchMode):
-            def __init__(self, pressure):
-                super().__init__()
-                self.pressure = pressure
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                self.pressure._event((OP, func))
-                return func(*args, **(kwargs or {}))
-        _light = _StepOps
-    return _light(pressure)
-
-
-
-def _tensors(obj):
-    """The tensors a boundary exposes: a tensor, or those among a tuple's, list's or dict's
-    items (a module's arguments or output; Hugging Face's outputs are dicts)."""
-    Tensor = sys.modules["torch"].Tensor
-    if isinstance(obj, Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        obj = obj.values()
-    elif not isinstance(obj, (tuple, list)):
-        return []
-    return [t for t in obj if isinstance(t, Tensor)]
-
-
-class _Logging:
-    """The backend, with the swaps the runtime issues noted (the probation's proxy)."""
-
-    def __init__(self, backend, note):
-        self._backend = backend
-        self._note = note
-
-    def __getattr__(self, name):
-        return getattr(self._backend, name)
-
-    def swap_out(self, ptr, stream=0):
-        key = self._backend.swap_out(ptr, stream=stream)
-        self._note("out", ptr)
-        return key
-
-    def swap_in(self, key, stream=0):
-        ptr = self._backend.swap_in(key, stream=stream)
-        self._note("in", ptr)
-        return ptr
+from vmalloc.frameworks.torch_pressure_boundaries import (GRAD, PACK, POST, PRE, STEP, UNPACK,
+                                                          Logging, light_mode, tensors_of)
 
 
 class Pressure:
@@ -122,7 +67,7 @@ class Pressure:
                                              register_module_forward_pre_hook)
         from torch.optim.optimizer import register_optimizer_step_pre_hook
         self.thread = threading.get_ident()
-        self.params = [p for p in self.driver._persistent_tensors() if p.requires_grad]
+        self.params = [p for p in self.driver._persistenttensors_of() if p.requires_grad]
         self.handles = [register_module_forward_pre_hook(self._pre),
                         register_module_forward_hook(self._post),
                         register_optimizer_step_pre_hook(self._step)]
@@ -156,7 +101,7 @@ class Pressure:
         if threading.get_ident() == self.thread:
             self._event((STEP,))
             if (self.probing or self.active) and self.step_mode is None:
-                self.step_mode = _light_mode(self)
+                self.step_mode = light_mode(self)
                 self.step_mode.__enter__()
 
     def stepped(self):
@@ -205,7 +150,7 @@ class Pressure:
         self.uses = {}          # buffer id or persistent slot -> the times ops used it
         self.foreign = None     # why the boundaries cannot see what the iteration saved
         self._backend = rt.swap
-        rt.swap = _Logging(rt.swap, self._note)
+        rt.swap = Logging(rt.swap, self._note)
         self._install()
 
     def disarm(self):
@@ -275,7 +220,7 @@ class Pressure:
             self.keys.append(key)
             self.times.append(self._now())
             self.sample()
-            for k, tensor in enumerate(_tensors(exposes)):
+            for k, tensor in enumerate(tensors_of(exposes)):
                 if is_wrapper(tensor) or tensor.layout != sys.modules["torch"].strided:
                     if key[0] == PACK:
                         self.foreign = (f"a {type(tensor).__name__} ({tensor.layout}) was "
@@ -300,7 +245,7 @@ class Pressure:
             self.driver._storages.collect()
         binds = self.slots.get(i)
         if binds is not None:
-            tensors = _tensors(exposes)
+            tensors = tensors_of(exposes)
             for k in binds:
                 if k >= len(tensors):
                     continue      # (not there: its swaps are skipped, nothing read out)
