@@ -67,7 +67,7 @@ class Pressure:
                                              register_module_forward_pre_hook)
         from torch.optim.optimizer import register_optimizer_step_pre_hook
         self.thread = threading.get_ident()
-        self.params = [p for p in self.driver._persistenttensors_of() if p.requires_grad]
+        self.params = [p for p in self.driver._persistent_tensors() if p.requires_grad]
         self.handles = [register_module_forward_pre_hook(self._pre),
                         register_module_forward_hook(self._post),
                         register_optimizer_step_pre_hook(self._step)]
