@@ -32,9 +32,10 @@ def data(n, seq=32, at=None):
     return [other if i == at else x for i in range(n)]
 
 
-def train(xs, budget=None, each=None):
+def train(xs, budget=None, each=None, change_at=None):
     """Losses and weights (plain PyTorch without a budget), and the driver; ``each``: called
-    with the driver after every step."""
+    with the driver after every step; ``change_at``: from that step on the optimizer runs
+    without momentum (other ops inside its step only)."""
     model, opt = make()
     losses = []
     block = vtorch.out_of_core(budget=budget, backend="poison", device="cpu") \
@@ -44,7 +45,9 @@ def train(xs, budget=None, each=None):
         if block is not None:
             block.__enter__()
         try:
-            for x in xs:
+            for i, x in enumerate(xs):
+                if i == change_at:
+                    opt.param_groups[0]["momentum"] = 0.0
                 loss = model(x).pow(2).mean()
                 loss.backward()
                 opt.step()
@@ -116,6 +119,16 @@ def test_a_budget_the_replay_cannot_keep_stays_on_the_dispatch_path_and_says_why
     assert s["pressure_iterations"] == 0 and s["steady_iterations"] == 0
     assert s["pressure_refused"].startswith("replayed at the boundaries the swaps would hold")
     assert f"over the budget of {PEAK // 4}" in s["pressure_refused"]
+
+
+def test_a_divergence_inside_the_optimizer_step_is_found_at_its_end():
+    plain, weights, _ = train(data(9), change_at=5)
+    losses, got, ooc = train(data(9), PEAK // 2, change_at=5)
+    assert losses == plain and same_weights(weights, got)
+    s = ooc.stats()
+    assert s["steady_exits"] == 1 and s["pressure_iterations"] == 2
+    assert ooc.runtime.last_divergence.startswith("steady state under pressure: boundary")
+    assert ooc._steady.pressure.out == {} and ooc._steady.pressure.halted is None
 
 
 class _Probation:

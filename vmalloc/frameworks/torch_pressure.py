@@ -56,6 +56,7 @@ class Pressure:
         self.handles = []
         self.saved = None       # the saved-tensor hooks' context, while installed
         self.step_mode = None   # the optimizer step's op boundaries, while it runs
+        self.halted = None      # a divergence found inside the step: said at its end
         self.refused = None     # why the last plan was not taken (stats)
         self.counts = dict(pressure_iterations=0, pressure_swap_outs=0, pressure_swap_ins=0,
                            pressure_peak_bound=0)
@@ -233,9 +234,18 @@ class Pressure:
         if not self.active:
             return
         keys = self.keys
+        if self.halted is not None:
+            return
         if i >= len(keys) or keys[i] != key:
             what = "more boundaries than" if i >= len(keys) else f"boundary {i} differs from"
-            self.steady.leave(f"steady state under pressure: {what} the record", now=True)
+            why = f"steady state under pressure: {what} the record"
+            if self.step_mode is None:
+                self.steady.leave(why, now=True)
+            else:
+                # Inside the step's own mode, which cannot be popped from its handler: all
+                # back now, the rest of the step plain, back to the dispatch path at its end.
+                self.restore(everything=True)
+                self.halted = why
             return
         if self.dead:
             self._collect()
@@ -313,17 +323,21 @@ class Pressure:
         """An iteration's end: the reason it diverged, or None. Its swap-outs at the end are
         made; what else is out comes back (restore)."""
         n, self.n = self.n, 0
+        self.counts["pressure_iterations"] += 1
+        halted, self.halted = self.halted, None
+        if halted is not None:
+            self.bound = {}
+            return halted       # (everything came back when it was found)
         if n == len(self.keys) and n in self.actions:
             self._act(self.actions[n])
         self.restore()
         self.bound = {}
-        self.counts["pressure_iterations"] += 1
         if n != len(self.keys):
             return (f"steady state under pressure: the iteration passed {n} boundaries; the "
                     f"record passed {len(self.keys)}")
         return None
 
-    def restore(self):
+    def restore(self, everything=False):
         """Every storage back where the runtime has it: transient ones resident, persistent
         ones as the runtime left them at the probation's end (divergence, the block's end,
         each iteration's end)."""
@@ -331,8 +345,10 @@ class Pressure:
             self._collect()
         backend = self.driver.backend
         for ptr, slot in list(self.out_ptrs.items()):
-            if not isinstance(slot, tuple):
+            if everything or not isinstance(slot, tuple):
                 self._bring_back(ptr)
+        if everything:
+            return      # (the runtime's view is restored when the mode comes back)
         by_ptr = self.driver._storages.by_ptr
         for slot in self.cycle:
             ptr = slot[1]
@@ -354,5 +370,6 @@ class Pressure:
             self.restore()
             self.out, self.out_ptrs = {}, {}
             self.active = False
+            self.halted = None
             self._uninstall()
             self.bound = {}
