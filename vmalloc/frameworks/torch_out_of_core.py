@@ -14,7 +14,8 @@ tracked outputs the op will create and asks the runtime to make room for them
 (``Runtime.make_room``) before running it. On-demand iterations (recording, or a budget no
 schedule fits) therefore stay within the budget too, as long as one op's own storages fit.
 With nothing to move, iterations leave the dispatcher altogether
-(:mod:`vmalloc.frameworks.torch_steady`).
+(:mod:`vmalloc.frameworks.torch_steady`); with swaps too, once they can be replayed at autograd
+and module boundaries within the budget (:mod:`vmalloc.frameworks.torch_pressure`).
 
 Swapping itself is a *backend* (:mod:`vmalloc.frameworks.torch_swap`): ``"cuda"`` (the
 SwapManager over the vmalloc allocator PyTorch allocates from; only storages that own whole
@@ -217,7 +218,8 @@ class OutOfCore:
     def stats(self) -> dict:
         """The runtime's statistics, plus ``over_budget_ops`` (ops whose own storages did
         not fit the budget), ``promoted_storages`` (storages found long-lived), and the
-        steady state's counts (:mod:`~vmalloc.frameworks.torch_steady`). After the block
+        steady state's counts (:mod:`~vmalloc.frameworks.torch_steady`; under pressure
+        ``pressure_*``: :mod:`~vmalloc.frameworks.torch_pressure`). After the block
         every value stays as it was (``peak_device_bytes``: the peak inside the block;
         bringing everything back on leaving is not counted)."""
         out = self.runtime.stats()

@@ -38,8 +38,6 @@ import sys
 import threading
 import weakref
 
-from vmalloc.frameworks.torch_subclass import is_wrapper
-
 from vmalloc.frameworks.torch_pressure_boundaries import (GRAD, PACK, POST, PRE, STEP, UNPACK,
                                                           Logging, light_mode, tensors_of)
 
@@ -221,8 +219,12 @@ class Pressure:
             self.keys.append(key)
             self.times.append(self._now())
             self.sample()
+            torch = sys.modules["torch"]
             for k, tensor in enumerate(tensors_of(exposes)):
-                if is_wrapper(tensor) or tensor.layout != sys.modules["torch"].strided:
+                if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or \
+                        tensor.layout != torch.strided:
+                    # A subclass (a wrapper, a FakeTensor while torch.compile traces) or a
+                    # sparse tensor: what it holds is not a storage the replay can swap.
                     if key[0] == PACK:
                         self.foreign = (f"a {type(tensor).__name__} ({tensor.layout}) was "
                                         "saved: its storages are not seen at a boundary")
@@ -363,6 +365,16 @@ class Pressure:
                 backend.wait(ptr)
                 self.out[slot] = ptr
                 self.out_ptrs[ptr] = slot
+
+    def reads(self, tensors):
+        """Whether reading ``tensors`` outside an op (None: every storage) would read one the
+        replay or the runtime holds out."""
+        if tensors is None:
+            return bool(self.out)
+        from vmalloc.frameworks.torch_subclass import plain_tensors
+        strided = sys.modules["torch"].strided
+        return any(t.layout == strided and t.untyped_storage().data_ptr() in self.out_ptrs
+                   for t in plain_tensors(tensors))
 
     def stop(self):
         """Back to the dispatch path: every storage where the runtime has it."""

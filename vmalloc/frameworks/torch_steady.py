@@ -23,6 +23,10 @@ recorded anew; the steady state resumes after the next quiet probation. What the
 cannot see it refuses: programs without ``nn.Module`` calls, collectives, compression,
 wrapper subclasses, ``torch.compile``'d regions and a mode stack the driver's mode is not on
 top of stay on the dispatch path (see docs/frameworks.rst, "The steady state").
+
+A schedule that swaps has a steady state of its own, armed and entered from here:
+:mod:`vmalloc.frameworks.torch_pressure` replays the probation's swaps at saved-tensor, module,
+gradient and optimizer-step boundaries.
 """
 
 from __future__ import annotations
