@@ -32,10 +32,11 @@ def data(n, seq=32, at=None):
     return [other if i == at else x for i in range(n)]
 
 
-def train(xs, budget=None, each=None, change_at=None):
+def train(xs, budget=None, each=None, change_at=None, read_at=None, read=None):
     """Losses and weights (plain PyTorch without a budget), and the driver; ``each``: called
     with the driver after every step; ``change_at``: from that step on the optimizer runs
-    without momentum (other ops inside its step only)."""
+    without momentum (other ops inside its step only); ``read_at``: after that step the
+    parameters are read with ``.numpy()`` into ``read``."""
     model, opt = make()
     losses = []
     block = vtorch.out_of_core(budget=budget, backend="poison", device="cpu") \
@@ -55,6 +56,8 @@ def train(xs, budget=None, each=None, change_at=None):
                 losses.append(loss.item())
                 if each is not None:
                     each(block)
+                if i == read_at:
+                    read.extend(p.detach().numpy().copy() for p in model.parameters())
         finally:
             if block is not None:
                 block.__exit__(None, None, None)
@@ -129,6 +132,21 @@ def test_a_divergence_inside_the_optimizer_step_is_found_at_its_end():
     assert s["steady_exits"] == 1 and s["pressure_iterations"] == 2
     assert ooc.runtime.last_divergence.startswith("steady state under pressure: boundary")
     assert ooc._steady.pressure.out == {} and ooc._steady.pressure.halted is None
+
+
+def test_reading_a_swapped_out_parameter_outside_an_op_reads_its_bytes():
+    import numpy as np
+    plain_read, read = [], []
+    plain, weights, _ = train(data(8), read_at=5, read=plain_read)
+    losses, got, ooc = train(data(8), PEAK // 2, read_at=5, read=read)
+    assert len(read) == len(plain_read) == 12 * 3
+    assert all(np.array_equal(a, b) for a, b in zip(read, plain_read))
+    assert losses == plain and same_weights(weights, got)
+    s = ooc.stats()
+    # Parameters are out across the iteration's boundary: the read leaves the steady state.
+    assert s["steady_exits"] == 1
+    assert ooc.runtime.last_divergence == ("steady state under pressure: a storage it swapped "
+                                           "out was read outside an op")
 
 
 class _Probation:
