@@ -23,7 +23,9 @@ import torch
 
 import vmalloc.torch as vtorch
 
-WARM = 3      # recording, recording again (the optimizer first seen), the probation
+WARM = 4      # recording, recording again (the optimizer first seen), the probation; under
+#               pressure the probation is one later (AdamW's state, made in the first step, is
+#               persistent: recorded again)
 
 
 def gpt2():
@@ -119,7 +121,9 @@ def main():
                   f"{t / base:5.2f}x  +{(t - base) / ops * 1e6:7.1f} us/op  bit-identical "
                   f"{losses == ref}, steady iterations {st.get('steady_iterations', 0)} of "
                   f"{st['iterations']}, swapped out {st['swapped_out_bytes']} B, peak "
-                  f"{st['peak_device_bytes']} B")
+                  f"{st['peak_device_bytes']} B, steady swaps out/in "
+                  f"{st['pressure_swap_outs']}/{st['pressure_swap_ins']}, refused: "
+                  f"{st['pressure_refused']}")
     return 0
 
 

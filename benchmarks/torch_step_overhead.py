@@ -18,7 +18,8 @@ pass`` beside the figures.
 Issue 21 item 1: with nothing to swap the driver leaves the dispatcher after the probation
 iteration (the third here: recording, recording again once the optimizer is seen, then the
 probation), so ``budget=None`` and the ample budget run as plain PyTorch once warm; under half
-the memory it stays on the dispatch path.
+the memory the probation's swaps are replayed at saved-tensor, module, gradient and
+optimizer-step boundaries (item 1b, :mod:`vmalloc.frameworks.torch_pressure`).
 """
 
 import argparse
@@ -102,8 +103,9 @@ def main():
           f"after 3 warm-up, {args.threads} thread(s)")
     for label, t, plain, stats in rows:
         extra = "" if stats is None else (
-            f"  swapped out {stats['swapped_out_bytes']} B, steady iterations "
-            f"{stats.get('steady_iterations', 0)} of {stats['iterations']}")
+            f"  swapped out {stats['swapped_out_bytes']} B (+{stats['pressure_swap_outs']} "
+            f"steady swap-outs), steady iterations {stats.get('steady_iterations', 0)} of "
+            f"{stats['iterations']}, peak {stats['peak_device_bytes']} B")
         print(f"{label:38s} {t * 1e3:9.1f} ms/step (plain {plain * 1e3:6.1f})  "
               f"{t / plain:5.2f}x  +{(t - plain) / ops * 1e6:7.1f} us/op{extra}")
 

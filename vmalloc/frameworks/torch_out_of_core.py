@@ -14,7 +14,8 @@ tracked outputs the op will create and asks the runtime to make room for them
 (``Runtime.make_room``) before running it. On-demand iterations (recording, or a budget no
 schedule fits) therefore stay within the budget too, as long as one op's own storages fit.
 With nothing to move, iterations leave the dispatcher altogether
-(:mod:`vmalloc.frameworks.torch_steady`).
+(:mod:`vmalloc.frameworks.torch_steady`); with swaps too, once they can be replayed at autograd
+and module boundaries within the budget (:mod:`vmalloc.frameworks.torch_pressure`).
 
 Swapping itself is a *backend* (:mod:`vmalloc.frameworks.torch_swap`): ``"cuda"`` (the
 SwapManager over the vmalloc allocator PyTorch allocates from; only storages that own whole
@@ -217,17 +218,24 @@ class OutOfCore:
     def stats(self) -> dict:
         """The runtime's statistics, plus ``over_budget_ops`` (ops whose own storages did
         not fit the budget), ``promoted_storages`` (storages found long-lived), and the
-        steady state's counts (:mod:`~vmalloc.frameworks.torch_steady`). After the block
+        steady state's counts (:mod:`~vmalloc.frameworks.torch_steady`; under pressure
+        ``pressure_*``: :mod:`~vmalloc.frameworks.torch_pressure`). After the block
         every value stays as it was (``peak_device_bytes``: the peak inside the block;
         bringing everything back on leaving is not counted)."""
         out = self.runtime.stats()
         out.update(self._counts)
         out.update(self._steady.counts)
+        pressure = self._steady.pressure
+        out.update(pressure.counts)
+        out["pressure_refused"] = pressure.refused
         out["iterations"] += self._steady.counts["steady_iterations"]
         out["scheduled_iterations"] += self._steady.counts["steady_iterations"]
         out["diverged_iterations"] += self._steady.late
         if self._peak is not None:
             out["peak_device_bytes"] = self._peak
+        if pressure.counts["pressure_iterations"]:    # (its bound: the runtime sees no op)
+            out["peak_device_bytes"] = max(out["peak_device_bytes"],
+                                           pressure.counts["pressure_peak_bound"])
         return out
 
     # --- iterations -----------------------------------------------------------------------
@@ -285,6 +293,7 @@ class OutOfCore:
             self._unschedulable()
 
     def _after_optimizer_step(self, optimizer, args, kwargs):
+        self._steady.pressure.stepped()
         if self._kinds is not None:
             self._kinds.after_step()
         new = optimizer not in self._optimizers
@@ -399,6 +408,8 @@ class OutOfCore:
                     rerun = AtenRerun.make(func, *rerun_args, outs[0], self._tracked)
                     if rerun is not None:
                         rt.set_rerun(rerun)
+            if self._steady.pressure.probing:
+                self._steady.pressure.sample(list(reads) + list(writes) + new)
             if measure is not None and rt.budget is not None:
                 self._unpredicted.ran(func, *measure, sum(b.nbytes for b in new), name)
         except BaseException:

@@ -244,6 +244,12 @@ class Readers:
         rt = driver.runtime
         if rt.in_function:
             return
+        pressure = driver._steady.pressure
+        if pressure.active and pressure.reads(tensors):
+            # Out by the replay, which the runtime does not know: back to the dispatch path
+            # (everything back where the runtime has it) before the runtime brings it in.
+            driver._steady.leave("steady state under pressure: a storage it swapped out was "
+                                 "read outside an op", now=True)
         driver._storages.collect()
         if tensors is None:
             # torch.save reads every storage while it pickles: all of them back at once,

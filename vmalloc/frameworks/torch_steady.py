@@ -23,6 +23,10 @@ recorded anew; the steady state resumes after the next quiet probation. What the
 cannot see it refuses: programs without ``nn.Module`` calls, collectives, compression,
 wrapper subclasses, ``torch.compile``'d regions and a mode stack the driver's mode is not on
 top of stay on the dispatch path (see docs/frameworks.rst, "The steady state").
+
+A schedule that swaps has a steady state of its own, armed and entered from here:
+:mod:`vmalloc.frameworks.torch_pressure` replays the probation's swaps at saved-tensor, module,
+gradient and optimizer-step boundaries.
 """
 
 from __future__ import annotations
@@ -57,6 +61,17 @@ def quiet(driver) -> bool:
                if entry[0].alive)
 
 
+def pressing(driver) -> bool:
+    """Whether the schedule swaps and the steady state under pressure can replay it: no
+    recompute, no compression, nothing dropped (:mod:`vmalloc.frameworks.torch_pressure`)."""
+    schedule = driver.runtime.schedule
+    if schedule is None or getattr(schedule, "recompute", None) is not None:
+        return False
+    if getattr(schedule, "end_drop", None) or getattr(schedule, "compressed", None):
+        return False
+    return hasattr(driver.backend, "register") and not quiet(driver)
+
+
 class Steady:
     """The driver's steady state (see the module docs)."""
 
@@ -74,6 +89,8 @@ class Steady:
         self.late = 0             # steady iterations found diverged at their end
         self.marks = None         # (scheduled, diverged) iterations when one began
         self.counts = dict(steady_iterations=0, steady_exits=0)
+        from vmalloc.frameworks.torch_pressure import Pressure
+        self.pressure = Pressure(self)   # the steady state of a schedule that swaps
 
     # --- eligibility ----------------------------------------------------------------------
     def eligible(self) -> bool:
@@ -92,6 +109,8 @@ class Steady:
         if self.probing and not quiet(self.driver):
             self.probing = False
             self._uninstall()
+        if self.pressure.probing and not pressing(self.driver):
+            self.pressure.disarm()
 
     def ended(self, failed: bool):
         """At the end of an iteration (after the runtime's; ``failed``: by an exception):
@@ -112,12 +131,26 @@ class Steady:
             self.n = 0
             self.running = False
             return
+        if self.pressure.probing:
+            planned = self.pressure.plan()     # (disarms)
+            if followed and planned and self.eligible() and pressing(d) \
+                    and self._mode_on_top():
+                d._mode.__exit__(None, None, None)
+                d._mode = None
+                self.active = True
+                self.streak = 0
+                self.running = False
+                self.pressure.start()
+                return
         self.probing = False
         self._uninstall()
-        if not self.active and self.eligible() and quiet(d):
-            self.calls = []
-            self.probing = True
-            self._install()
+        if not self.active and self.eligible():
+            if quiet(d):
+                self.calls = []
+                self.probing = True
+                self._install()
+            elif pressing(d):
+                self.pressure.arm()
 
     def _mode_on_top(self):
         from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -166,10 +199,14 @@ class Steady:
         self.driver._storages.collect()
         self.counts["steady_iterations"] += 1
         self.streak += 1
+        diverged = self.pressure.boundary() if self.pressure.active else None
         if not self.eligible():
             self.late += 1
             self.leave("steady state: a storage was resized outside the dispatcher")
-        elif self.n != len(self.calls):
+        elif diverged is not None:
+            self.late += 1
+            self.leave(diverged)
+        elif not self.pressure.active and self.n != len(self.calls):
             self.late += 1
             self.leave(f"steady state: the iteration made {self.n} module calls; the record "
                        f"made {len(self.calls)}")
@@ -185,6 +222,7 @@ class Steady:
             return
         d = self.driver
         self.active = False
+        self.pressure.stop()           # every storage it swapped out back first
         if self.streak >= STREAK:
             self.exits = 0
         self.exits += 1
@@ -201,6 +239,8 @@ class Steady:
     def close(self):
         """The block ends (the mode is already popped when active)."""
         self._uninstall()
+        self.pressure.stop()
+        self.pressure.disarm()
         was = self.active
         self.active = self.probing = False
         return was

@@ -1,0 +1,251 @@
+"""Issue 21 item 1b: the steady state under memory pressure of vmalloc.torch.out_of_core. After
+a probation iteration that swaps, the dispatch mode is popped and the probation's swaps are
+replayed at saved-tensor, module, gradient and optimizer-step boundaries; losses and weights
+stay bit-identical to plain PyTorch (the poison backend), the dispatch mode sees no op, a
+divergence goes back to the dispatch path once. Work is counted, never timed."""
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import vmalloc.torch as vtorch  # noqa: E402
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+from vmalloc.frameworks.torch_pressure_plan import make_plan  # noqa: E402
+
+#: The in-core peak of tracked storages of the model below (measured with budget=None).
+PEAK = 1802240
+
+
+def make():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+    return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def data(n, seq=32, at=None):
+    """n batches of one input, except step ``at`` (another sequence length: a divergence)."""
+    x = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(1))
+    other = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(2))
+    return [other if i == at else x for i in range(n)]
+
+
+def train(xs, budget=None, each=None, change_at=None, read_at=None, read=None):
+    """Losses and weights (plain PyTorch without a budget), and the driver; ``each``: called
+    with the driver after every step; ``change_at``: from that step on the optimizer runs
+    without momentum (other ops inside its step only); ``read_at``: after that step the
+    parameters are read with ``.numpy()`` into ``read``."""
+    model, opt = make()
+    losses = []
+    block = vtorch.out_of_core(budget=budget, backend="poison", device="cpu") \
+        if budget is not None else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if block is not None:
+            block.__enter__()
+        try:
+            for i, x in enumerate(xs):
+                if i == change_at:
+                    opt.param_groups[0]["momentum"] = 0.0
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                if each is not None:
+                    each(block)
+                if i == read_at:
+                    read.extend(p.detach().numpy().copy() for p in model.parameters())
+        finally:
+            if block is not None:
+                block.__exit__(None, None, None)
+    return losses, [p.detach().clone() for p in model.parameters()], block
+
+
+def same_weights(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_the_model_peak_is_the_one_the_tests_divide():
+    _, _, ooc = train(data(3), budget="64GiB")
+    assert ooc.stats()["peak_device_bytes"] == PEAK
+
+
+@pytest.mark.parametrize("div", [2, 3])
+def test_pressure_steady_state_is_bit_identical_and_dispatches_nothing(div):
+    plain, weights, _ = train(data(7))
+    seen = []
+    losses, got, ooc = train(data(7), PEAK // div, each=lambda b: seen.append(
+        (b.stats()["dispatched_ops"], b.stats()["pressure_swap_outs"],
+         b.stats()["pressure_swap_ins"])))
+    assert losses == plain and same_weights(weights, got)
+    s = ooc.stats()
+    # Recording, recording again (the optimizer first seen), again (its momentum buffers
+    # made persistent), the probation; then 3 steady.
+    assert s["pressure_iterations"] == 3 and s["steady_iterations"] == 3
+    assert s["steady_exits"] == 0 and s["pressure_refused"] is None
+    # The dispatch mode saw no op in the steady iterations.
+    assert [d for d, _, _ in seen[4:]] == [seen[3][0]] * 3
+    # Each steady iteration made the plan's swap-outs (every "out" action once; the
+    # persistent storages out across the boundary are out again at its end).
+    outs = sum(a == "out" for acts in ooc._steady.pressure.actions.values() for a, _ in acts)
+    assert outs > 0
+    assert [seen[i + 1][1] - seen[i][1] for i in range(3, 6)] == [outs] * 3
+    ins = sum(a == "in" for acts in ooc._steady.pressure.actions.values() for a, _ in acts)
+    assert [seen[i + 1][2] - seen[i][2] for i in range(3, 6)] == [ins] * 3
+    # The bound of the replay's device bytes fits the budget, and is the peak said.
+    assert s["over_budget_ops"] == 0
+    assert s["pressure_peak_bound"] <= PEAK // div
+    assert s["peak_device_bytes"] <= PEAK // div
+
+
+def test_a_divergence_under_pressure_goes_back_once_and_stays_bit_identical():
+    xs = data(9, at=5)
+    plain, weights, _ = train(xs)
+    losses, got, ooc = train(xs, PEAK // 2)
+    assert losses == plain and same_weights(weights, got)
+    s = ooc.stats()
+    assert s["steady_exits"] == 1
+    # Step 4 steady; step 5 leaves at its first boundary, 6 and 7 record, 8 probation.
+    assert s["pressure_iterations"] == 1
+    assert "steady state under pressure" in ooc.runtime.last_divergence
+    assert ooc._steady.pressure.out == {}       # everything brought back when it left
+
+
+def test_a_budget_the_replay_cannot_keep_stays_on_the_dispatch_path_and_says_why():
+    plain, weights, _ = train(data(6))
+    losses, got, ooc = train(data(6), PEAK // 4)
+    assert losses == plain and same_weights(weights, got)
+    s = ooc.stats()
+    assert s["pressure_iterations"] == 0 and s["steady_iterations"] == 0
+    assert s["pressure_refused"].startswith("replayed at the boundaries the swaps would hold")
+    assert f"over the budget of {PEAK // 4}" in s["pressure_refused"]
+
+
+def test_a_divergence_inside_the_optimizer_step_is_found_at_its_end():
+    plain, weights, _ = train(data(9), change_at=5)
+    losses, got, ooc = train(data(9), PEAK // 2, change_at=5)
+    assert losses == plain and same_weights(weights, got)
+    s = ooc.stats()
+    assert s["steady_exits"] == 1 and s["pressure_iterations"] == 2
+    assert ooc.runtime.last_divergence.startswith("steady state under pressure: boundary")
+    assert ooc._steady.pressure.out == {} and ooc._steady.pressure.halted is None
+
+
+def test_reading_a_swapped_out_parameter_outside_an_op_reads_its_bytes():
+    import numpy as np
+    plain_read, read = [], []
+    plain, weights, _ = train(data(8), read_at=5, read=plain_read)
+    losses, got, ooc = train(data(8), PEAK // 2, read_at=5, read=read)
+    assert len(read) == len(plain_read) == 12 * 3
+    assert all(np.array_equal(a, b) for a, b in zip(read, plain_read))
+    assert losses == plain and same_weights(weights, got)
+    s = ooc.stats()
+    # Parameters are out across the iteration's boundary: the read leaves the steady state.
+    assert s["steady_exits"] == 1
+    assert ooc.runtime.last_divergence == ("steady state under pressure: a storage it swapped "
+                                           "out was read outside an op")
+
+
+class _Probation:
+    """A probation's notes, written by hand (make_plan reads only these)."""
+
+    def __init__(self, keys, log, samples, times, uses, exposed, budget):
+        self.keys, self.log, self.samples, self.times = keys, log, samples, times
+        self.uses, self.exposed, self.foreign = uses, exposed, None
+        self.driver = type("D", (), {"runtime": type("R", (), {"budget": budget})()})()
+
+
+def test_plan_brackets_each_out_interval_between_the_last_and_next_use():
+    # Boundaries at times 0, 10, 20, 30; buffer 7 exposed at boundary 0, used at 5 and 35,
+    # out at 12 and in at 28 in the probation: the replay takes it out at boundary 1 (the
+    # first after its use at 5) and back at boundary 3 (the last before its use at 35).
+    p = _Probation(keys=[0, 1, 2, 3], log=[(2, "out", 7, 100, 12), (3, "in", 7, 100, 28)],
+                   samples=[(5, 500), (15, 400), (25, 400), (35, 500)], times=[0, 10, 20, 30],
+                   uses={7: [5, 35]}, exposed={7: 0}, budget=500)
+    (actions, slots, cycle, bound), why = make_plan(p)
+    assert why is None
+    assert actions == {1: [("out", 0)], 3: [("in", 0)]} and slots == {0} and cycle == []
+    # Out earlier (10 < 12) and in later (30 > 28): never more than the probation's bytes.
+    assert bound == 500
+
+
+def test_plan_keeps_resident_what_has_no_boundary_between_and_counts_it():
+    p = _Probation(keys=[0, 1], log=[(1, "out", 7, 100, 12), (1, "in", 7, 100, 14)],
+                   samples=[(5, 300), (13, 400), (15, 300)], times=[0, 10],
+                   uses={7: [5, 15]}, exposed={7: 0}, budget=450)
+    plan, why = make_plan(p)
+    assert plan is None
+    assert why == ("replayed at the boundaries the swaps would hold up to 500 bytes, over the "
+                   "budget of 450")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_plan_never_has_a_storage_out_across_one_of_its_uses(draw):
+    """Random probations: one storage, uses and out intervals between them; every replayed
+    out/in pair lies inside an interval the probation had it out, so no use falls inside."""
+    n = draw.draw(st.integers(2, 12))
+    times = [10 * i for i in range(n)]
+    end = 10 * n
+    cuts = sorted(c for c in draw.draw(st.sets(st.integers(1, end - 1), min_size=2,
+                                                max_size=12)) if c % 10)
+    if len(cuts) % 2:
+        cuts = cuts[:-1]
+    if not cuts:
+        return
+    intervals = [(cuts[i], cuts[i + 1]) for i in range(0, len(cuts), 2)]
+    uses = sorted({u for u in draw.draw(st.lists(st.integers(0, end), max_size=8))
+                   if not any(a <= u <= b for a, b in intervals) and u % 10})
+    log = []
+    for a, b in intervals:
+        log += [(a // 10 + 1, "out", 3, 64, a), (b // 10 + 1, "in", 3, 64, b)]
+    p = _Probation(keys=list(range(n)), log=log, samples=[(t, 0) for t in range(end)],
+                   times=times, uses={3: uses}, exposed={3: 0}, budget=None)
+    (actions, _, _, _), why = make_plan(p)
+    assert why is None
+    state, out_since = "resident", None
+    for at in range(n + 1):
+        for what, _ in actions.get(at, ()):
+            t = times[at] if at < n else end
+            if what == "out":
+                assert state == "resident"
+                state, out_since = "out", t
+            else:
+                assert state == "out"
+                assert not any(out_since < u < t for u in uses)
+                state = "resident"
+    assert state == "resident"
+
+
+def _pressure_hooks():
+    """The saved-tensor hooks of a steady state under pressure, installed as in one."""
+    from vmalloc.frameworks.torch_pressure import Pressure
+    steady = type("S", (), {"driver": None, "running": False})()
+    p = Pressure(steady)
+    p.thread, p.n, p.active, p.probing = None, 0, False, False
+    return torch.autograd.graph.saved_tensors_hooks(p._pack, p._unpack)
+
+
+def test_an_inplace_change_of_a_saved_tensor_still_raises_under_the_hooks():
+    x = torch.randn(10, requires_grad=True)
+    with _pressure_hooks():
+        y = x.exp()            # saves its output
+        y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*at version 1; "
+                                           "expected version 0"):
+        y.sum().backward()
+
+
+def test_a_saved_output_is_freed_without_a_backward_under_the_hooks():
+    import gc
+    import weakref
+    x = torch.randn(10, requires_grad=True)
+    with _pressure_hooks():
+        y = x.exp()
+    ref = weakref.ref(y)
+    del y
+    gc.collect()
+    assert ref() is None

@@ -1,0 +1,387 @@
+"""The steady state under memory pressure of the PyTorch out-of-core driver: once an iteration
+that swaps has been followed under the dispatch mode (the *probation*), the mode is popped and
+the swaps that iteration made are replayed at a few boundaries PyTorch offers without a
+dispatch mode, instead of at every aten op.
+
+Why (measured, docs/benchmarks.md): under half of the TransformerEncoder's memory the dispatch
+path cost 5.3-5.7x plain PyTorch, and a profile of its steps put nearly all of it in entering
+Python for each of its ~1,800 aten ops per step (the mode, argument walks, predictions, the
+runtime's bookkeeping for ~300 functions) and only a few percent in the swaps themselves
+(~50 swap-outs of 6.4 MB a step). The boundaries, one Python call each:
+
+- saved-tensor hooks (``torch.autograd.graph``): *pack*, after the forward op that saves a
+  tensor; *unpack*, just before the backward node that reads it;
+- global module forward pre- and post-hooks;
+- ``Tensor.register_post_accumulate_grad_hook`` on the optimizers' parameters (a gradient was
+  accumulated) and a global optimizer step pre-hook.
+
+In the probation every swap the runtime makes (through a logging proxy of the backend) is
+noted with the number of boundaries seen before it, and each storage with the boundary that
+exposed it (a saved tensor packed, a gradient accumulated; parameters and optimizer state are
+known). A swap-out is replayed at the first boundary after it, its swap-in at the last one
+before it, which brackets the interval the storage was out in the probation, so nothing reads
+it while it is out as long as the iteration repeats; a pair with no boundary between stays
+resident. That costs bytes: each boundary gap's bytes in the probation (sampled after every
+op) plus what the replay keeps longer is an upper bound of the device bytes, and the steady
+state is entered only when that bound fits the budget (else the dispatch path stays, and
+``stats()`` says why: ``pressure_refused``).
+
+Every boundary is compared, in order, with the probation's (the module's class and argument
+shapes, the saved tensor's shape and dtype, which parameter, which saved tensor); a difference
+brings every storage back, pushes the mode again and records anew (as in
+:mod:`vmalloc.frameworks.torch_steady`, said once in ``stats()``).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+
+from vmalloc.frameworks.torch_pressure_boundaries import (GRAD, PACK, POST, PRE, STEP, UNPACK,
+                                                          Logging, light_mode, tensors_of)
+
+
+class Pressure:
+    """Records the probation's boundaries and swaps, plans, and replays them (module docs)."""
+
+    def __init__(self, steady):
+        self.steady = steady
+        self.driver = steady.driver
+        self.probing = False
+        self.active = False
+        self.keys = []          # the probation's boundary keys, in order
+        self.handles = []
+        self.saved = None       # the saved-tensor hooks' context, while installed
+        self.step_mode = None   # the optimizer step's op boundaries, while it runs
+        self.halted = None      # a divergence found inside the step: said at its end
+        self.refused = None     # why the last plan was not taken (stats)
+        self.counts = dict(pressure_iterations=0, pressure_swap_outs=0, pressure_swap_ins=0,
+                           pressure_peak_bound=0)
+
+    # --- hooks ----------------------------------------------------------------------------
+    def _install(self):
+        import torch
+        from torch.nn.modules.module import (register_module_forward_hook,
+                                             register_module_forward_pre_hook)
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        self.thread = threading.get_ident()
+        self.params = [p for p in self.driver._persistent_tensors() if p.requires_grad]
+        self.handles = [register_module_forward_pre_hook(self._pre),
+                        register_module_forward_hook(self._post),
+                        register_optimizer_step_pre_hook(self._step)]
+        for i, p in enumerate(self.params):
+            self.handles.append(p.register_post_accumulate_grad_hook(
+                lambda p, i=i: self._grad(i, p)))
+        self.saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self.saved.__enter__()
+
+    def _uninstall(self):
+        self.stepped()
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        if self.saved is not None:
+            self.saved.__exit__(None, None, None)
+            self.saved = None
+
+    def _pre(self, module, args):
+        if threading.get_ident() == self.thread:
+            Tensor = sys.modules["torch"].Tensor
+            self._event((PRE, type(module), tuple([(a.shape, a.dtype) for a in args
+                                                   if isinstance(a, Tensor)])), args)
+            self.steady.running = True
+
+    def _post(self, module, args, out):
+        if threading.get_ident() == self.thread:
+            self._event((POST, type(module)), out)
+
+    def _step(self, opt, args, kwargs):
+        if threading.get_ident() == self.thread:
+            self._event((STEP,))
+            if (self.probing or self.active) and self.step_mode is None:
+                self.step_mode = light_mode(self)
+                self.step_mode.__enter__()
+
+    def stepped(self):
+        """An optimizer's step returned (the driver's post-hook): its op boundaries end."""
+        if self.step_mode is not None:
+            mode, self.step_mode = self.step_mode, None
+            mode.__exit__(None, None, None)
+
+    def _grad(self, i, p):
+        if threading.get_ident() == self.thread:
+            self._event((GRAD, i), p.grad)
+
+    def _pack(self, t):
+        # A detached alias (same storage, same version counter): the tensor itself would make
+        # a saved output keep its own node alive in a cycle the garbage collector never frees
+        # when no backward runs; its version is checked at unpack, as autograd does.
+        if threading.get_ident() != self.thread:
+            return (None, t.detach(), t._version)
+        j = self.n
+        self._event((PACK, t.shape, t.dtype), t)
+        return (j, t.detach(), t._version)
+
+    def _unpack(self, handle):
+        j, t, version = handle
+        if t._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: a saved tensor of shape {list(t.shape)} is at version "
+                f"{t._version}; expected version {version} instead (checked by "
+                "vmalloc.torch.out_of_core's saved-tensor hooks, as autograd does)")
+        if j is not None and threading.get_ident() == self.thread:
+            # (a storage may still be out here: a node unpacks all it saved before its first
+            # op, and the plan brings each back at the last boundary before its first use)
+            self._event((UNPACK, j))
+        return t
+
+    # --- probation ------------------------------------------------------------------------
+    def arm(self):
+        """The next iteration is the probation: its boundaries and swaps are noted."""
+        rt = self.driver.runtime
+        self.probing, self.keys, self.n = True, [], 0
+        self.exposed = {}       # buffer id -> the boundary that first exposed it
+        self.log = []           # (gap, "out"/"in", buffer id or persistent slot, nbytes, time)
+        self.samples = []       # (time, device bytes) after each op and at each boundary
+        self.times = []         # each boundary's time (times count samples and swaps)
+        self.uses = {}          # buffer id or persistent slot -> the times ops used it
+        self.foreign = None     # why the boundaries cannot see what the iteration saved
+        self._backend = rt.swap
+        rt.swap = Logging(rt.swap, self._note)
+        self._install()
+
+    def disarm(self):
+        if self.probing:
+            self.driver.runtime.swap = self._backend
+            self.probing = False
+            self._uninstall()
+
+    def sample(self, used=()):
+        """After an op of the probation (the driver's ``_run``, with the buffers it read or
+        wrote): its device bytes, and when each buffer was used."""
+        t = self._now()
+        self.samples.append((t, self.driver.runtime._device_bytes))
+        for buf in used:
+            self.uses.setdefault(("persistent", buf.ptr) if buf.persistent else buf.id,
+                                 []).append(t)
+
+    def _note(self, what, ptr):
+        entry = self.driver._storages.by_ptr.get(ptr)
+        if entry is None:
+            self.log.append((self.n, what, None, 0, self._now()))
+            return
+        buf = entry[0]
+        slot = ("persistent", ptr) if buf.persistent else buf.id
+        self.log.append((self.n, what, slot, buf.nbytes, self._now()))
+
+    def _now(self):
+        return len(self.log) + len(self.samples)
+
+    def plan(self):
+        """At the probation's end: the replay, if its bound fits the budget (else False and
+        ``refused`` says why)."""
+        from vmalloc.frameworks.torch_pressure_plan import make_plan
+        self.disarm()
+        plan, why = make_plan(self)
+        self.refused = why
+        if plan is None:
+            return False
+        self.actions, slots, self.cycle, bound = plan
+        self.slots = {}         # boundary -> positions of the tensors it binds
+        for slot in sorted(slots):
+            self.slots.setdefault(slot >> 16, []).append(slot & 0xFFFF)
+        self.counts["pressure_peak_bound"] = max(self.counts["pressure_peak_bound"], bound)
+        return True
+
+    # --- the steady state -----------------------------------------------------------------
+    def start(self):
+        self.active = True
+        self.n = 0
+        self.bound = {}         # slot -> storage, this iteration
+        self.out = {}           # slot -> ptr, swapped out by the replay
+        self.out_ptrs = {}      # ptr -> slot
+        self.dead = []
+        for slot in self.cycle:       # out as the probation left them
+            if self.driver.backend.state(slot[1]) != "resident":
+                self.out[slot] = slot[1]
+                self.out_ptrs[slot[1]] = slot
+        self._install()
+
+    def _event(self, key, exposes=None):
+        """Boundary i, with what it exposes (a tensor, or a module's arguments or output:
+        their tensors, one level deep): slot ``i << 16 | k`` names the storage of its k-th
+        tensor."""
+        i = self.n
+        self.n = i + 1
+        if self.probing:
+            self.keys.append(key)
+            self.times.append(self._now())
+            self.sample()
+            torch = sys.modules["torch"]
+            for k, tensor in enumerate(tensors_of(exposes)):
+                if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or \
+                        tensor.layout != torch.strided:
+                    # A subclass (a wrapper, a FakeTensor while torch.compile traces) or a
+                    # sparse tensor: what it holds is not a storage the replay can swap.
+                    if key[0] == PACK:
+                        self.foreign = (f"a {type(tensor).__name__} ({tensor.layout}) was "
+                                        "saved: its storages are not seen at a boundary")
+                    continue
+                buf = self.driver._storages.known(tensor.untyped_storage())
+                if buf is not None and buf.id not in self.exposed:
+                    self.exposed[buf.id] = i << 16 | k    # (a storage is named by its first)
+            return
+        if not self.active:
+            return
+        keys = self.keys
+        if self.halted is not None:
+            return
+        if i >= len(keys) or keys[i] != key:
+            what = "more boundaries than" if i >= len(keys) else f"boundary {i} differs from"
+            why = f"steady state under pressure: {what} the record"
+            if self.step_mode is None:
+                self.steady.leave(why, now=True)
+            else:
+                # Inside the step's own mode, which cannot be popped from its handler: all
+                # back now, the rest of the step plain, back to the dispatch path at its end.
+                self.restore(everything=True)
+                self.halted = why
+            return
+        if self.dead:
+            self._collect()
+        if self.driver._storages.dead:
+            # Freed since: the runtime forgets them (a host copy of one freed while out is
+            # dropped) before PyTorch's next storage at that address is swapped.
+            self.driver._storages.collect()
+        binds = self.slots.get(i)
+        if binds is not None:
+            tensors = tensors_of(exposes)
+            for k in binds:
+                if k >= len(tensors):
+                    continue      # (not there: its swaps are skipped, nothing read out)
+                s = tensors[k].untyped_storage()
+                slot = i << 16 | k
+                # Weak: the replay must not keep alive what the program frees.
+                self.bound[slot] = weakref.ref(s, lambda r, slot=slot: self.dead.append(slot))
+                self.driver.backend.register(s.data_ptr(), s)
+        acts = self.actions.get(i)
+        if acts:
+            self._act(acts)
+
+    def _act(self, acts):
+        backend = self.driver.backend
+        for what, slot in acts:
+            if isinstance(slot, tuple):
+                s = self._persistent(slot)
+            else:
+                ref = self.bound.get(slot)
+                s = ref() if ref is not None else None
+            if s is None:
+                continue
+            ptr = s.data_ptr()
+            if what == "out":
+                if slot in self.out:
+                    continue
+                backend.swap_out(ptr)
+                backend.wait(ptr)
+                self.out[slot] = ptr
+                self.out_ptrs[ptr] = slot
+                self.counts["pressure_swap_outs"] += 1
+            elif slot in self.out:
+                self._bring_back(ptr)
+                self.counts["pressure_swap_ins"] += 1
+
+    def _persistent(self, slot):
+        entry = self.driver._storages.by_ptr.get(slot[1])
+        if entry is None:
+            return None
+        for ref in entry[1]:
+            s = ref()
+            if s is not None:
+                return s
+        return None
+
+    def _bring_back(self, ptr):
+        backend = self.driver.backend
+        slot = self.out_ptrs.pop(ptr)
+        del self.out[slot]
+        backend.swap_in(ptr)
+        if backend.state(ptr) == "swapping_in":
+            backend.wait(ptr)
+
+    def _collect(self):
+        """Storages PyTorch freed: a host copy of one freed while out is dropped."""
+        dead, self.dead = self.dead, []
+        for slot in dead:
+            self.bound.pop(slot, None)
+            ptr = self.out.pop(slot, None)
+            if ptr is not None:
+                del self.out_ptrs[ptr]
+                self.driver.backend.discard(ptr)
+
+    def boundary(self):
+        """An iteration's end: the reason it diverged, or None. Its swap-outs at the end are
+        made; what else is out comes back (restore)."""
+        n, self.n = self.n, 0
+        self.counts["pressure_iterations"] += 1
+        halted, self.halted = self.halted, None
+        if halted is not None:
+            self.bound = {}
+            return halted       # (everything came back when it was found)
+        if n == len(self.keys) and n in self.actions:
+            self._act(self.actions[n])
+        self.restore()
+        self.bound = {}
+        if n != len(self.keys):
+            return (f"steady state under pressure: the iteration passed {n} boundaries; the "
+                    f"record passed {len(self.keys)}")
+        return None
+
+    def restore(self, everything=False):
+        """Every storage back where the runtime has it: transient ones resident, persistent
+        ones as the runtime left them at the probation's end (divergence, the block's end,
+        each iteration's end)."""
+        if self.dead:
+            self._collect()
+        backend = self.driver.backend
+        for ptr, slot in list(self.out_ptrs.items()):
+            if everything or not isinstance(slot, tuple):
+                self._bring_back(ptr)
+        if everything:
+            return      # (the runtime's view is restored when the mode comes back)
+        by_ptr = self.driver._storages.by_ptr
+        for slot in self.cycle:
+            ptr = slot[1]
+            entry = by_ptr.get(ptr)
+            if entry is None:
+                continue
+            if entry[0].where == "resident":
+                if slot in self.out:
+                    self._bring_back(ptr)
+            elif slot not in self.out and backend.state(ptr) == "resident":
+                backend.swap_out(ptr)
+                backend.wait(ptr)
+                self.out[slot] = ptr
+                self.out_ptrs[ptr] = slot
+
+    def reads(self, tensors):
+        """Whether reading ``tensors`` outside an op (None: every storage) would read one the
+        replay or the runtime holds out."""
+        if tensors is None:
+            return bool(self.out)
+        from vmalloc.frameworks.torch_subclass import plain_tensors
+        strided = sys.modules["torch"].strided
+        return any(t.layout == strided and t.untyped_storage().data_ptr() in self.out_ptrs
+                   for t in plain_tensors(tensors))
+
+    def stop(self):
+        """Back to the dispatch path: every storage where the runtime has it."""
+        if self.active:
+            self.restore()
+            self.out, self.out_ptrs = {}, {}
+            self.active = False
+            self.halted = None
+            self._uninstall()
+            self.bound = {}

@@ -1,0 +1,65 @@
+"""What the boundaries of the steady state under pressure see
+(:mod:`vmalloc.frameworks.torch_pressure`): their kinds, the tensors a boundary exposes, the
+optimizer step's op boundaries, and the probation's logging proxy of the swap backend."""
+
+from __future__ import annotations
+
+import sys
+
+PRE, POST, PACK, UNPACK, GRAD, STEP, OP = range(7)
+
+_light = None
+
+
+def light_mode(pressure):
+    """A dispatch mode for the optimizer's step only: one boundary per op and nothing else
+    (an optimizer's per-parameter loop has no hook of its own; its swaps are one per op)."""
+    global _light
+    if _light is None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class _StepOps(TorchDispatchMode):
+            def __init__(self, pressure):
+                super().__init__()
+                self.pressure = pressure
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.pressure._event((OP, func))
+                return func(*args, **(kwargs or {}))
+        _light = _StepOps
+    return _light(pressure)
+
+
+
+def tensors_of(obj):
+    """The tensors a boundary exposes: a tensor, or those among a tuple's, list's or dict's
+    items (a module's arguments or output; Hugging Face's outputs are dicts)."""
+    Tensor = sys.modules["torch"].Tensor
+    if isinstance(obj, Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = obj.values()
+    elif not isinstance(obj, (tuple, list)):
+        return []
+    return [t for t in obj if isinstance(t, Tensor)]
+
+
+class Logging:
+    """The backend, with the swaps the runtime issues noted (the probation's proxy)."""
+
+    def __init__(self, backend, note):
+        self._backend = backend
+        self._note = note
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+    def swap_out(self, ptr, stream=0):
+        key = self._backend.swap_out(ptr, stream=stream)
+        self._note("out", ptr)
+        return key
+
+    def swap_in(self, key, stream=0):
+        ptr = self._backend.swap_in(key, stream=stream)
+        self._note("in", ptr)
+        return ptr
