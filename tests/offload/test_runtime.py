@@ -287,3 +287,35 @@ def test_vmalloc_offload_train_refuses_one_step(capsys):
     assert main(["offload", "train", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "--steps must be at least 2" in err and len(err.strip().splitlines()) == 1
+
+
+def test_keep_free_plans_again_with_room_left_or_changes_nothing(mlp_reference):
+    """Runtime.keep_free (the PyTorch driver's replay under pressure asks for it): the window
+    schedule is made again for the budget less the margin when one fits, and training stays
+    bit-identical under it; a margin no schedule fits changes nothing."""
+    from vmalloc.offload.scheduling.schedule import ScheduleError
+
+    ref, ref_rt = mlp_reference
+    peak = ref_rt.stats()["peak_device_bytes"]
+    capacity = (peak // 2) // (2 * MiB) * (2 * MiB)
+    rt = runtime("virtual", capacity)
+    nt.train(rt, **MLP)
+    schedule, margin = rt._schedule, rt.budget // 16
+    with pytest.raises(ScheduleError):      # the plan made for the whole budget fills it
+        schedule.check(rt._sequence, rt.budget - margin)
+    assert rt.keep_free(margin) is True and rt.schedule_margin == margin
+    assert rt._schedule is not schedule
+    rt._schedule.check(rt._sequence, rt.budget - margin)     # fits the smaller budget
+    kept = rt._schedule
+    assert rt.keep_free(rt.budget - 1) is False and rt.schedule_margin == margin
+    assert rt._schedule is kept
+    assert rt.keep_free(rt.budget) is False and rt.keep_free(0) is False
+    assert runtime("virtual", capacity, scheduler="none").keep_free(margin) is False
+    # Training planned with the margin from its record on: the same numbers (the recording
+    # iteration runs on demand under the whole budget, the margin is the schedule's only).
+    rt = runtime("virtual", capacity)
+    rt.schedule_margin = margin
+    out = nt.train(rt, **MLP)
+    assert out.losses == ref.losses and out.weights == ref.weights
+    assert rt.stats()["peak_device_bytes"] <= rt.budget
+    rt._schedule.check(rt._sequence, rt.budget - margin)

@@ -73,8 +73,8 @@ def test_the_model_peak_is_the_one_the_tests_divide():
     assert ooc.stats()["peak_device_bytes"] == PEAK
 
 
-@pytest.mark.parametrize("div", [2, 3])
-def test_pressure_steady_state_is_bit_identical_and_dispatches_nothing(div):
+@pytest.mark.parametrize("div,replans", [(2, 0), (3, 2)])
+def test_pressure_steady_state_is_bit_identical_and_dispatches_nothing(div, replans):
     plain, weights, _ = train(data(7))
     seen = []
     losses, got, ooc = train(data(7), PEAK // div, each=lambda b: seen.append(
@@ -83,18 +83,24 @@ def test_pressure_steady_state_is_bit_identical_and_dispatches_nothing(div):
     assert losses == plain and same_weights(weights, got)
     s = ooc.stats()
     # Recording, recording again (the optimizer first seen), again (its momentum buffers
-    # made persistent), the probation; then 3 steady.
-    assert s["pressure_iterations"] == 3 and s["steady_iterations"] == 3
+    # made persistent), the probation; then 3 steady. At a third the first probations' replay
+    # holds more than the budget: planned again with that much kept free (twice), each plan
+    # probed again, then steady.
+    steady = 3 - replans
+    assert s["pressure_replans"] == replans and (s["pressure_margin"] > 0) == (replans > 0)
+    assert s["pressure_iterations"] == steady and s["steady_iterations"] == steady
     assert s["steady_exits"] == 0 and s["pressure_refused"] is None
+    assert s["pressure_peak_bound"] <= PEAK // div
     # The dispatch mode saw no op in the steady iterations.
-    assert [d for d, _, _ in seen[4:]] == [seen[3][0]] * 3
+    first = 4 + replans
+    assert [d for d, _, _ in seen[first:]] == [seen[first - 1][0]] * steady
     # Each steady iteration made the plan's swap-outs (every "out" action once; the
     # persistent storages out across the boundary are out again at its end).
     outs = sum(a == "out" for acts in ooc._steady.pressure.actions.values() for a, _ in acts)
     assert outs > 0
-    assert [seen[i + 1][1] - seen[i][1] for i in range(3, 6)] == [outs] * 3
+    assert [seen[i + 1][1] - seen[i][1] for i in range(first - 1, 6)] == [outs] * steady
     ins = sum(a == "in" for acts in ooc._steady.pressure.actions.values() for a, _ in acts)
-    assert [seen[i + 1][2] - seen[i][2] for i in range(3, 6)] == [ins] * 3
+    assert [seen[i + 1][2] - seen[i][2] for i in range(first - 1, 6)] == [ins] * steady
     # The bound of the replay's device bytes fits the budget, and is the peak said.
     assert s["over_budget_ops"] == 0
     assert s["pressure_peak_bound"] <= PEAK // div

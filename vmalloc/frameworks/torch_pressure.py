@@ -42,6 +42,11 @@ from vmalloc.frameworks.torch_pressure_boundaries import (GRAD, PACK, POST, PRE,
                                                           Logging, light_mode, tensors_of)
 
 
+#: Plans made again with room kept for the replay before the dispatch path stays (each costs
+#: one more probation iteration).
+MAX_REPLANS = 2
+
+
 class Pressure:
     """Records the probation's boundaries and swaps, plans, and replays them (module docs)."""
 
@@ -57,7 +62,7 @@ class Pressure:
         self.halted = None      # a divergence found inside the step: said at its end
         self.refused = None     # why the last plan was not taken (stats)
         self.counts = dict(pressure_iterations=0, pressure_swap_outs=0, pressure_swap_ins=0,
-                           pressure_peak_bound=0)
+                           pressure_peak_bound=0, pressure_replans=0, pressure_margin=0)
 
     # --- hooks ----------------------------------------------------------------------------
     def _install(self):
@@ -184,9 +189,11 @@ class Pressure:
         ``refused`` says why)."""
         from vmalloc.frameworks.torch_pressure_plan import make_plan
         self.disarm()
+        self.excess = 0
         plan, why = make_plan(self)
         self.refused = why
         if plan is None:
+            self._keep_room()
             return False
         self.actions, slots, self.cycle, bound = plan
         self.slots = {}         # boundary -> positions of the tensors it binds
@@ -194,6 +201,19 @@ class Pressure:
             self.slots.setdefault(slot >> 16, []).append(slot & 0xFFFF)
         self.counts["pressure_peak_bound"] = max(self.counts["pressure_peak_bound"], bound)
         return True
+
+    def _keep_room(self):
+        """A replay over the budget by ``excess`` bytes: the runtime plans again with that much
+        of the budget kept free (at most MAX_REPLANS times), and the next iteration is a new
+        probation of that plan (said: ``pressure_margin``, and ``pressure_refused`` while no
+        plan fits)."""
+        rt = self.driver.runtime
+        if not self.excess or self.counts["pressure_replans"] >= MAX_REPLANS:
+            return
+        margin = rt.schedule_margin + self.excess
+        if rt.keep_free(margin):
+            self.counts["pressure_replans"] += 1
+            self.counts["pressure_margin"] = margin
 
     # --- the steady state -----------------------------------------------------------------
     def start(self):

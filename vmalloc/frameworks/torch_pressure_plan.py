@@ -152,7 +152,8 @@ def make_plan(pressure):
                 plan.pair(slot, t1, t2, nb, exposed, uses)
     bound = plan.bound(pressure.samples)
     budget = pressure.driver.runtime.budget
-    if budget is not None and bound > budget:
+    pressure.excess = bound - budget if budget is not None and bound > budget else 0
+    if pressure.excess:
         return None, (f"replayed at the boundaries the swaps would hold up to {bound} bytes, "
                       f"over the budget of {budget}")
     for acts in plan.actions.values():

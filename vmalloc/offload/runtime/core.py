@@ -92,6 +92,8 @@ class Runtime(Compression, Residency, Recording, Following, Divergence, Recomput
                           f"capacity of {capacity} bytes; using {capacity}")
                 self.budget = capacity
         self.window = None if window is None else parse_size(window, "window")
+        # Bytes of the budget the window schedule leaves free (keep_free; a driver's replay).
+        self.schedule_margin = 0
         if swap is None:
             from vmalloc.offload.swap import SwapManager
             swap = SwapManager(allocator, host_capacity=host_capacity)

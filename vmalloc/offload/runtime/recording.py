@@ -125,7 +125,8 @@ class Recording:
                 # LMS and vDNN take no budget: their plans are checked for the rules only
                 # (on demand, eviction keeps the budget around them).
                 budgetless = self._scheduler_spec in ("lms", "vdnn")
-                self._schedule.check(seq, None if budgetless else self.budget)
+                self._schedule.check(seq, None if budgetless
+                                     else self.budget - self.schedule_margin)
                 self.last_schedule_error = None
             except ScheduleError as error:
                 # This budget cannot be scheduled (so): run on demand, which evicts as needed.
@@ -196,9 +197,36 @@ class Recording:
             # No budget (a backend without a device, and none given): nothing need swap.
             return make_scheduler("none")
         if spec == "window":
-            return make_scheduler("window", window=self.window or self.budget,
-                                  budget=self.budget, persistent=persistent)
+            budget = self.budget - self.schedule_margin
+            return make_scheduler("window", window=self.window or budget,
+                                  budget=budget, persistent=persistent)
         return make_scheduler(spec)
+
+    def keep_free(self, margin: int) -> bool:
+        """Plans again from the same record with ``margin`` bytes of the budget kept free (a
+        driver that replays the plan at coarser points holds some bytes longer: the PyTorch
+        driver's steady state under pressure). Only when a window schedule fits the smaller
+        budget: else nothing changes and False is returned (nothing said: the budget itself
+        is still kept by the plan that stands)."""
+        from vmalloc.offload.scheduling.schedule import ScheduleError
+
+        if (self._scheduler_spec != "window" or self._sequence is None or self.budget is None
+                or not 0 < margin < self.budget):
+            return False
+        old, self.schedule_margin = self.schedule_margin, margin
+        modes = ["resident", "swap"] if self.persistent == "auto" else [self.persistent]
+        for mode in modes:
+            try:
+                self._make_scheduler(mode).schedule(self._sequence).check(
+                    self._sequence, self.budget - margin)
+                break
+            except ScheduleError:
+                continue
+        else:
+            self.schedule_margin = old
+            return False
+        self._build_schedule()
+        return True
 
 
 def _largest_function(seq):
