@@ -50,6 +50,6 @@ def test_validate_is_the_function_after_the_cli_imported_its_module(tmp_path):
 
 def test_the_folders_are_packages_and_nothing_is_left_at_the_top():
     top = sorted(info.name for info in pkgutil.iter_modules(offload.__path__))
-    assert top == ["cli", "hardware", "planning", "runtime", "scheduling", "sequence",
+    assert top == ["cli", "hardware", "pages", "planning", "runtime", "scheduling", "sequence",
                    "simulation", "swap"]
     assert all(info.ispkg for info in pkgutil.iter_modules(offload.__path__))
