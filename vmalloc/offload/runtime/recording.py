@@ -125,7 +125,7 @@ class Recording:
                 # LMS and vDNN take no budget: their plans are checked for the rules only
                 # (on demand, eviction keeps the budget around them).
                 budgetless = self._scheduler_spec in ("lms", "vdnn")
-                self._schedule.check(seq, None if budgetless
+                self._schedule.check(seq, None if budgetless or self.budget is None
                                      else self.budget - self.schedule_margin)
                 self.last_schedule_error = None
             except ScheduleError as error:
