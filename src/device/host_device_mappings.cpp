@@ -236,8 +236,9 @@ void HostDevice::set_access(device_ptr ptr, std::size_t size) {
   };
   std::vector<Update> updates;
   std::vector<std::pair<Mapping*, Mapping>> copies;
-  // Every mapping is a multiple of the granularity: at most this many, one allocation.
-  updates.reserve(size / granularity_ + 2);
+  // Every mapping is a multiple of the granularity: at most this many, and at most every
+  // mapping there is (a 2^56-byte mapping is one, not 2^35), in one allocation.
+  updates.reserve(std::min(size / granularity_ + 2, mappings_.size()));
   std::size_t vmas_before = 0, vmas_after = 0;
   for (auto it = first; it != mappings_.end() && it->first < end; ++it) {
     Mapping& m = it->second;

@@ -222,7 +222,7 @@ def test_virtual_address_mapping_is_charged_per_call():
 def test_function_seconds_computed_once_per_sequence_and_gpu():
     """A plan simulates one sequence dozens of times: the durations are computed once per
     (sequence, GPU), and again when the sequence's functions or variables change."""
-    from vmalloc.offload import simulator
+    from vmalloc.offload.simulation import simulator
     from vmalloc.offload.planning.planner import plan
 
     seq = FunctionSequence(name="flops", batch=4)
