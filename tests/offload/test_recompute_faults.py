@@ -114,14 +114,6 @@ def restore(w):
     w.rt.restore_all()
 
 
-@pytest.fixture
-def emu():
-    emulator = testing.emulator()
-    emulator.clear_faults()
-    yield emulator
-    emulator.clear_faults()
-
-
 def _calls(emu):
     return {name: emu.call_count(name) for name in testing.FAULTABLE_CALLS}
 

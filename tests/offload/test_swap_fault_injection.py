@@ -104,14 +104,6 @@ SCENARIOS = {
 }
 
 
-@pytest.fixture
-def emu():
-    emulator = testing.emulator()
-    emulator.clear_faults()
-    yield emulator
-    emulator.clear_faults()
-
-
 def _calls(emu):
     return {name: emu.call_count(name) for name in testing.FAULTABLE_CALLS}
 
