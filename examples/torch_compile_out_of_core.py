@@ -25,12 +25,20 @@ BATCH, WIDTH, DEPTH, STEPS = 2048, 256, 4, 3
 LINK_GBPS = 6.0     # a slow link: two GELUs are recomputed (at 12 GB/s copies win)
 
 
-def mlp():
-    torch.manual_seed(0)
+def mlp(depth=DEPTH, width=WIDTH, seed=0):
+    """DEPTH Linear + GELU layers of WIDTH, and a Linear to 10 classes (tests/offload/
+    test_torch_compile.py trains this model too)."""
+    torch.manual_seed(seed)
     layers = []
-    for _ in range(DEPTH):
-        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(WIDTH, 10))
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
+
+
+def budget_of(model, depth=DEPTH):
+    """Weights, gradients and momentum, and half the activations."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return 3 * params + BATCH * WIDTH * 4 * 2 * depth // 2
 
 
 def capturing(graphs):
@@ -63,9 +71,7 @@ def main():
     x, y = torch.randn(BATCH, WIDTH), torch.randint(0, 10, (BATCH,))
     loss_fn = torch.nn.functional.cross_entropy
     model, reference = mlp(), mlp()
-    activations = BATCH * WIDTH * 4 * 2 * DEPTH
-    params = sum(p.numel() * 4 for p in model.parameters())
-    budget = 3 * params + activations // 2     # weights, grads, momentum, half the activations
+    budget = budget_of(model)
 
     start = time.perf_counter()
     plan = vmalloc.torch.policy(model, (x, y), loss_fn=loss_fn, budget=budget,

@@ -127,6 +127,17 @@ def _available(kinds, name):
     return factory
 
 
+@pytest.fixture
+def emu():
+    """The driver emulator (vmalloc.testing), with no fault set on entry nor left on exit."""
+    from vmalloc import testing
+
+    emulator = testing.emulator()
+    emulator.clear_faults()
+    yield emulator
+    emulator.clear_faults()
+
+
 @pytest.fixture(params=sorted(DEVICE_KINDS))
 def make_device(request):
     """A factory of fresh devices of each kind: ``make_device(capacity=..., granularity=...)``."""

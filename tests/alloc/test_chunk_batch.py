@@ -15,13 +15,6 @@ FIGURES = ("chunks_held", "chunks_in_pool", "chunks_cached", "chunks_live", "chu
            "chunks_released", "chunks_stolen")
 
 
-@pytest.fixture
-def emu():
-    emulator = testing.emulator()
-    yield emulator
-    emulator.clear_faults()
-
-
 def _figures(va):
     c = va.chunk_stats()
     return {k: c[k] for k in FIGURES}

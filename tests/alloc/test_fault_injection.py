@@ -157,13 +157,6 @@ def _still_works(world):
     world.deallocate(ptr)
 
 
-@pytest.fixture
-def emu():
-    emulator = testing.emulator()
-    yield emulator
-    emulator.clear_faults()
-
-
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_every_driver_call_failing_once(make_allocator, emu, scenario):
     capacity, warm_up, operation = SCENARIOS[scenario]

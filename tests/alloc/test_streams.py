@@ -19,13 +19,6 @@ MiB = 1 << 20
 PER_THREAD = 0x2
 
 
-@pytest.fixture
-def emu():
-    emulator = testing.emulator()
-    yield emulator
-    emulator.clear_faults()
-
-
 def _misuses(emu, dev):
     return [line for line in emu.leak_report(dev.ordinal).splitlines() if "misuse" in line]
 

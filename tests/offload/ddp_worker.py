@@ -2,16 +2,14 @@
 ddp_worker.py RANK PORT OUT_DIR STEPS): trains the same DDP job without vmalloc and inside
 vmalloc.torch.out_of_core, and saves both results to OUT_DIR/rank<RANK>.pt."""
 
-import os
 import sys
 
 import torch
-import torch.distributed as dist
 
-STEPS = 6
+import _dist
 
 
-def _job(rank, budget):
+def _job(rank, steps, budget):
     import vmalloc.torch as vtorch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -21,42 +19,21 @@ def _job(rank, budget):
                                 torch.nn.Linear(256, 10))
     ddp = DDP(model, bucket_cap_mb=0.25)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    g = torch.Generator().manual_seed(100 + rank)     # each rank its own data
-    data = [(torch.randn(128, 128, generator=g), torch.randint(0, 10, (128,), generator=g))
-            for _ in range(STEPS)]
-
-    def loop():
-        losses = []
-        for x, y in data:
-            loss = torch.nn.functional.cross_entropy(ddp(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses
+    data = _dist.rank_data(rank, steps, 128)
 
     if budget is None:
-        return loop(), [p.detach().clone() for p in model.parameters()], None
+        return _dist.train(ddp, opt, data), [p.detach().clone() for p in model.parameters()], None
     with vtorch.out_of_core(backend="poison", device="cpu", budget=budget) as ooc:
-        losses = loop()
+        losses = _dist.train(ddp, opt, data)
     return losses, [p.detach().clone() for p in model.parameters()], ooc.stats()
 
 
-def main(rank, port, out_dir):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        ref = _job(rank, None)
-        got = _job(rank, "1MiB")
-        torch.save({"ref": ref, "got": got}, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
+def main(rank, port, out_dir, steps):
+    with _dist.gloo_group(rank, port):
+        ref = _job(rank, steps, None)
+        got = _job(rank, steps, "1MiB")
+        _dist.save(out_dir, rank, ref=ref, got=got)
 
 
 if __name__ == "__main__":
-    STEPS = int(sys.argv[4])
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))

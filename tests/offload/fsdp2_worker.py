@@ -3,12 +3,12 @@ PORT OUT_DIR STEPS BUDGET): trains the same FSDP2 (fully_shard) job without vmal
 vmalloc.torch.out_of_core, and saves both results, and the warnings the second gave, to
 OUT_DIR/rank<RANK>.pt."""
 
-import os
 import sys
 import warnings
 
 import torch
-import torch.distributed as dist
+
+import _dist
 
 
 def _job(rank, steps, budget):
@@ -24,37 +24,21 @@ def _job(rank, steps, budget):
             fully_shard(m)
     fully_shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    g = torch.Generator().manual_seed(100 + rank)     # each rank its own data
-    data = [(torch.randn(128, 64, generator=g), torch.randint(0, 10, (128,), generator=g))
-            for _ in range(steps)]
-
-    def loop():
-        losses = []
-        for x, y in data:
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses
+    data = _dist.rank_data(rank, steps, 64)
 
     def weights():
         return [p.full_tensor() for p in model.parameters()]   # (a collective: both ranks)
 
     if budget is None:
-        return loop(), weights(), None
+        return _dist.train(model, opt, data), weights(), None
     with vtorch.out_of_core(backend="poison", device="cpu", budget=budget,
                             min_bytes=4096) as ooc:
-        losses = loop()
+        losses = _dist.train(model, opt, data)
     return losses, weights(), ooc.stats()
 
 
 def main(rank, port, out_dir, steps, budget):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with _dist.gloo_group(rank, port):
         ref = _job(rank, steps, None)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -62,10 +46,7 @@ def main(rank, port, out_dir, steps, budget):
         said = [f"{w.category.__name__}: {w.message}" for w in caught
                 if "vmalloc" in w.category.__module__ or "budget" in str(w.message)
                 or "out_of_core" in str(w.message)]
-        torch.save({"ref": ref, "got": got, "said": said},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+        _dist.save(out_dir, rank, ref=ref, got=got, said=said)
 
 
 if __name__ == "__main__":

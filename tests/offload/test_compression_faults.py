@@ -26,21 +26,13 @@ import numpy as np
 import pytest
 
 import vmalloc
+from vmalloc import allocator_kinds
 from vmalloc.offload import SwapManager
 from vmalloc.offload.runtime import compressing_swap
 from vmalloc.offload.runtime.compression import round_trip
 
 KiB = 1 << 10
 MiB = 1 << 20
-
-ALLOCATORS = {
-    "virtual": lambda d: vmalloc.VirtualAllocator(d, chunk_size="64KiB",
-                                                  small_threshold="32KiB"),
-    "virtual-packed": lambda d: vmalloc.VirtualAllocator(d, chunk_size="64KiB",
-                                                         placement="packed"),
-    "caching": lambda d: vmalloc.CachingAllocator(d),
-    "expandable-segments": lambda d: vmalloc.CachingAllocator(d, expandable_segments=True),
-}
 
 CALLS = {
     "device": ("host_alloc", "host_free", "synchronize_stream", "copy_to_host",
@@ -92,7 +84,8 @@ SIZES = {"chunks": 40 * KiB, "small": 250}    # (1000 bytes: a small block, relo
 class World:
     def __init__(self, kind, monkeypatch, fmt="fp16", count=40 * KiB):
         self.dev = vmalloc.HostDevice(capacity="8MiB", granularity="64KiB")
-        self.alloc = ALLOCATORS[kind](self.dev)
+        # 64 KiB chunks for the virtual kinds (their small blocks: up to half a chunk)
+        self.alloc = allocator_kinds.make_allocator(kind, self.dev, chunk_size="64KiB")
         self.sw = compressing_swap.CompressingSwap(SwapManager(self.alloc), self.alloc)
         self.faults = Faults()
         self.sw.device = Proxy(self.dev, CALLS["device"], self.faults)
@@ -231,7 +224,7 @@ COUNTS = {}
 
 
 @pytest.mark.parametrize("size", list(SIZES))
-@pytest.mark.parametrize("kind", list(ALLOCATORS))
+@pytest.mark.parametrize("kind", allocator_kinds.NAMES)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_every_call_of_a_compressed_swap_failing_once_and_in_pairs(monkeypatch, scenario,
                                                                    kind, size):

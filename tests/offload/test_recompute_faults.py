@@ -23,21 +23,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import vmalloc
-from vmalloc import testing
+from vmalloc import allocator_kinds, testing
 from vmalloc.offload import Runtime
 from vmalloc.offload.runtime.recompute import RecomputeError
 
 KiB = 1 << 10
 SIZE = 160 * KiB          # three 64 KiB chunks: the virtual allocator's chunk path
 
-KINDS = {
-    "virtual": lambda d: vmalloc.VirtualAllocator(d, chunk_size="64KiB",
-                                                  small_threshold="32KiB"),
-    "virtual-packed": lambda d: vmalloc.VirtualAllocator(d, chunk_size="64KiB",
-                                                         placement="packed"),
-    "caching": lambda d: vmalloc.CachingAllocator(d),
-    "expandable-segments": lambda d: vmalloc.CachingAllocator(d, expandable_segments=True),
-}
 DROPS = {"virtual"}       # the kinds whose buffers keep their address: only they are dropped
 
 DATA = (np.arange(SIZE, dtype=np.uint32) * 7 + 3).astype(np.uint8).tobytes()
@@ -55,7 +47,8 @@ class World:
         self.device = device or testing.emulated_cuda_device(capacity="4MiB",
                                                              granularity="64KiB")
         self.kind = kind
-        self.allocator = KINDS[kind](self.device)
+        # 64 KiB chunks for the virtual kinds (their small blocks: up to half a chunk)
+        self.allocator = allocator_kinds.make_allocator(kind, self.device, chunk_size="64KiB")
         self.rt = rt = Runtime(self.allocator, recompute=True, scheduler="none")
         self.reruns = 0
         self.rerun_fails = 0     # the next n reruns raise
@@ -119,14 +112,6 @@ class World:
 
 def restore(w):
     w.rt.restore_all()
-
-
-@pytest.fixture
-def emu():
-    emulator = testing.emulator()
-    emulator.clear_faults()
-    yield emulator
-    emulator.clear_faults()
 
 
 def _calls(emu):
@@ -226,7 +211,8 @@ def test_out_of_memory_during_a_recompute_loses_nothing(where):
 
 # The other kinds relocate what they swap: the planner never drops their buffers (asserted by
 # World), so their recompute path is x's swap-in alone.
-MATRIX = [("virtual", False), ("virtual", True)] + [(k, True) for k in KINDS if k not in DROPS]
+MATRIX = [("virtual", False), ("virtual", True)] + [(k, True) for k in allocator_kinds.NAMES
+                                                  if k not in DROPS]
 
 
 @pytest.mark.parametrize("kind,x_out", MATRIX,

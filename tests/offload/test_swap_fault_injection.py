@@ -14,17 +14,9 @@ the warm-up and the operation with the k-th call failing. Each time:
 import pytest
 
 import vmalloc
-from vmalloc import offload, testing
+from vmalloc import allocator_kinds, offload, testing
 
 MiB = 1 << 20
-
-
-ALLOCATORS = {
-    "virtual": lambda d: vmalloc.VirtualAllocator(d),
-    "virtual-packed": lambda d: vmalloc.VirtualAllocator(d, placement="packed"),
-    "caching": lambda d: vmalloc.CachingAllocator(d),
-    "expandable-segments": lambda d: vmalloc.CachingAllocator(d, expandable_segments=True),
-}
 
 
 _PERIOD = bytes((i * 7 + 3) & 0xFF for i in range(256))
@@ -37,7 +29,7 @@ def _pattern(size):
 class World:
     def __init__(self, kind, size):
         self.device = testing.emulated_cuda_device(capacity="64MiB", granularity="2MiB")
-        self.allocator = ALLOCATORS[kind](self.device)
+        self.allocator = allocator_kinds.make(kind, self.device)
         self.swap = offload.SwapManager(self.allocator)
         self.size = size
         self.ptr = self.allocator.allocate(size)
@@ -112,20 +104,12 @@ SCENARIOS = {
 }
 
 
-@pytest.fixture
-def emu():
-    emulator = testing.emulator()
-    emulator.clear_faults()
-    yield emulator
-    emulator.clear_faults()
-
-
 def _calls(emu):
     return {name: emu.call_count(name) for name in testing.FAULTABLE_CALLS}
 
 
 @pytest.mark.parametrize("size", [5 * MiB, 1000], ids=["chunks", "small"])
-@pytest.mark.parametrize("kind", list(ALLOCATORS))
+@pytest.mark.parametrize("kind", allocator_kinds.NAMES)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_every_driver_call_of_a_swap_failing_once(emu, scenario, kind, size):
     warm_up, operation = SCENARIOS[scenario]
@@ -182,22 +166,14 @@ def test_every_driver_call_of_a_swap_failing_once(emu, scenario, kind, size):
 
 KiB = 1 << 10
 
-PAIR_ALLOCATORS = {
-    "virtual": lambda d: vmalloc.VirtualAllocator(d, chunk_size="64KiB",
-                                                  small_threshold="32KiB"),
-    "virtual-packed": lambda d: vmalloc.VirtualAllocator(d, chunk_size="64KiB",
-                                                         placement="packed"),
-    "caching": lambda d: vmalloc.CachingAllocator(d),
-    "expandable-segments": lambda d: vmalloc.CachingAllocator(d, expandable_segments=True),
-}
-
 PAIR_SCENARIOS = SCENARIOS
 
 
 class PairWorld(World):
     def __init__(self, kind, size):
         self.device = testing.emulated_cuda_device(capacity="4MiB", granularity="64KiB")
-        self.allocator = PAIR_ALLOCATORS[kind](self.device)
+        # 64 KiB chunks for the virtual kinds (their small blocks: up to half a chunk)
+        self.allocator = allocator_kinds.make_allocator(kind, self.device, chunk_size="64KiB")
         self.swap = offload.SwapManager(self.allocator)
         self.size = size
         self.ptr = self.allocator.allocate(size)
@@ -240,7 +216,7 @@ def _pairs(emu, kind, size, warm_up, operation):
 
 
 @pytest.mark.parametrize("size", [160 * KiB, 1000], ids=["chunks", "small"])
-@pytest.mark.parametrize("kind", list(PAIR_ALLOCATORS))
+@pytest.mark.parametrize("kind", allocator_kinds.NAMES)
 @pytest.mark.parametrize("scenario", list(PAIR_SCENARIOS))
 def test_every_pair_of_driver_calls_failing(emu, scenario, kind, size):
     """Whatever two calls fail (a rollback's own call included), the data comes back once the

@@ -5,6 +5,8 @@ planned offload and the backward graph its ``gpu_reload_*`` copy and the recompu
 and weights are bit-identical to compiled in-core training (offload on CPU is a CPU-to-CPU copy
 and recompute re-runs the same kernel on the same inputs)."""
 
+import importlib.util
+import pathlib
 import warnings
 
 import pytest
@@ -14,24 +16,28 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch", reason="vmalloc.torch.policy needs PyTorch")
 
 import torch._functorch.config as functorch_config  # noqa: E402
-from functorch.compile import make_boxed_func  # noqa: E402
-from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 
 import vmalloc.torch as vtorch  # noqa: E402
 from vmalloc.errors import InvalidArgumentError  # noqa: E402
 from vmalloc.frameworks.torch_compile import CPU_LINK_GBPS, _mark_offloads  # noqa: E402
 from vmalloc.offload.scheduling.schedule import ScheduleError  # noqa: E402
 
-BATCH, WIDTH, DEPTH, STEPS = 2048, 256, 4, 3
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _example_module():
+    # the model, its budget and the training loop are the example's (examples are no package)
+    path = ROOT / "examples" / "torch_compile_out_of_core.py"
+    spec = importlib.util.spec_from_file_location("_torch_compile_example", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+example = _example_module()
+BATCH, WIDTH, DEPTH = example.BATCH, example.WIDTH, example.DEPTH
 LOSS = torch.nn.functional.cross_entropy
-
-
-def mlp(depth=DEPTH, seed=0):
-    torch.manual_seed(seed)
-    layers = []
-    for _ in range(depth):
-        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(WIDTH, 10))
+mlp, budget_of, capturing = example.mlp, example.budget_of, example.capturing
 
 
 def data():
@@ -39,31 +45,8 @@ def data():
     return torch.randn(BATCH, WIDTH, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
 
 
-def budget_of(model, depth=DEPTH):
-    """Weights, gradients and momentum, and half the activations."""
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return 3 * params + BATCH * WIDTH * 4 * 2 * depth // 2
-
-
-def capturing(graphs):
-    def keep(kind):
-        def compiler(gm, example_inputs):
-            graphs[kind] = gm
-            return make_boxed_func(gm.forward)
-        return compiler
-    return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
-
-
-def train(model, x, y, steps=STEPS):
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=False)
-    losses = []
-    for _ in range(steps):
-        loss = LOSS(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+def train(model, x, y):
+    return example.train(model, x, y, LOSS)
 
 
 def region_keys(graph):
@@ -343,13 +326,11 @@ def test_transformer_blocks_offload_and_match_in_core():
 def test_example_runs():
     """examples/torch_compile_out_of_core.py runs on CPU and finds what the tests find."""
     import os
-    import pathlib
     import subprocess
     import sys
-    root = pathlib.Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, str(root / "examples" / "torch_compile_out_of_core.py")],
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "torch_compile_out_of_core.py")],
                           capture_output=True, text=True, timeout=300, env=dict(os.environ),
-                          cwd=str(root.parent))
+                          cwd=str(ROOT.parent))
     assert done.returncode == 0, done.stderr[-2000:]
     assert "forward graph: 2 offload(s); backward graph: 2 reload(s), 2 gelu recomputed" \
         in done.stdout
@@ -362,11 +343,7 @@ def test_example_runs():
 def test_decisions_follow_the_schedule(depth, width, fraction, link):
     """Whatever the network, budget and link: one decision per forward function, and each is
     what the chosen schedule does with the activation the function creates."""
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(depth):
-        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
-    model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
+    model = mlp(depth, width)
     x, y = torch.randn(256, width), torch.randint(0, 10, (256,))
     params = sum(p.numel() * 4 for p in model.parameters())
     budget = 3 * params + int(fraction * 256 * width * 4 * 2 * depth)

@@ -10,11 +10,6 @@ tensor a (0) must match ...' from PoisonSwap.swap_in (a storage swapped in after
 resized it), or a gloo 'Connection closed by peer' on the other rank.
 """
 
-import os
-import socket
-import subprocess
-import sys
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -28,32 +23,12 @@ if not hasattr(fsdp, "fully_shard"):
 
 STEPS = 5
 BUDGET = 600_000     # of about 1 MB the job holds at its peak without swapping
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fsdp2_worker.py")
-
-
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(120)
-def test_fsdp2_two_processes_bit_identical_within_the_budget(tmp_path):
-    import vmalloc
-
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.dirname(os.path.dirname(vmalloc.__file__))] +
-        [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, WORKER, str(rank), str(port), str(tmp_path),
-                               str(STEPS), str(BUDGET)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT) for rank in range(2)]
-    outputs = [p.communicate(timeout=100)[0].decode(errors="replace") for p in procs]
-    # (a rank that fails makes the other's collective fail: show both)
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
-    for rank in range(2):
-        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+def test_fsdp2_two_processes_bit_identical_within_the_budget(run_two_ranks):
+    results = run_two_ranks("fsdp2_worker.py", STEPS, BUDGET, timeout=100)
+    for rank, result in enumerate(results):
         (ref_losses, ref_w, _), (losses, w, stats) = result["ref"], result["got"]
         assert losses == ref_losses, rank
         assert all(torch.equal(a, b) for a, b in zip(w, ref_w)), rank

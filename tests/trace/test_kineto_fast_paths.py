@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import vmalloc
-from vmalloc.traces import _fast, kineto, open_trace
+from vmalloc.traces import _fast, open_trace
 
 pytestmark = pytest.mark.skipif(_fast._trace_parse is None, reason="built without _trace_parse")
 
@@ -32,17 +32,6 @@ def outcome(path, python, **options):
         os.environ.pop("VMALLOC_PYTHON_READERS", None)
         if old is not None:
             os.environ["VMALLOC_PYTHON_READERS"] = old
-
-
-def refuse_python(monkeypatch):
-    """Makes a fall back to the Python reader fail the test (the comparison is not vacuous)."""
-
-    def refuse(self, *args):
-        raise AssertionError("fell back to the Python reader")
-        yield
-
-    monkeypatch.setattr(kineto.KinetoReader, "records", refuse)
-    monkeypatch.setattr(kineto, "JsonEventScanner", refuse)
 
 
 def memory_event(i, addr, nbytes, device=0, device_type=1):
@@ -110,8 +99,8 @@ def long_traces(draw):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=long_traces(), block_size=st.sampled_from([STITCH + 1, 20000, 40000, 70001]),
        device=st.sampled_from([0, 1, "auto"]), before_window=st.sampled_from(["drop", "live"]))
-def test_events_stitched_across_large_blocks(tmp_path, monkeypatch, text, block_size, device,
-                                             before_window):
+def test_events_stitched_across_large_blocks(tmp_path, monkeypatch, refuse_python, text,
+                                             block_size, device, before_window):
     path = tmp_path / "trace.json"
     path.write_text(text)
     monkeypatch.setattr(_fast, "BLOCK", block_size)
@@ -124,7 +113,7 @@ def test_events_stitched_across_large_blocks(tmp_path, monkeypatch, text, block_
 
 
 @pytest.mark.parametrize("count", [255, 256, 257, 1000])
-def test_before_window_scan_in_batches(tmp_path, monkeypatch, count):
+def test_before_window_scan_in_batches(tmp_path, monkeypatch, refuse_python, count):
     """Each device's frees of memory from before the window, over more records than one batch
     of the device count's scan (device "auto": the count's scans are used): the same blocks as
     the Python reader, for the GPU and the CPU."""

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import vmalloc
-from vmalloc.traces import _fast, kineto, open_trace
+from vmalloc.traces import _fast, open_trace
 
 pytestmark = pytest.mark.skipif(_fast._trace_parse is None, reason="built without _trace_parse")
 
@@ -32,17 +32,6 @@ def read(path, python, **options):
         os.environ.pop("VMALLOC_PYTHON_READERS", None)
         if old is not None:
             os.environ["VMALLOC_PYTHON_READERS"] = old
-
-
-def refuse_python(monkeypatch):
-    """Makes a fall back to the Python reader fail the test."""
-
-    def refuse(self, *args):
-        raise AssertionError("fell back to the Python reader")
-        yield
-
-    monkeypatch.setattr(kineto.KinetoReader, "records", refuse)
-    monkeypatch.setattr(kineto, "JsonEventScanner", refuse)
 
 
 def trace_text(events):
@@ -68,7 +57,7 @@ ADDRS = [
 
 
 @pytest.mark.parametrize("text,value", ADDRS)
-def test_addresses_exact(tmp_path, monkeypatch, text, value):
+def test_addresses_exact(tmp_path, monkeypatch, refuse_python, text, value):
     path = tmp_path / "t.json"
     path.write_text(trace_text([memory("1", text, "512"), memory("2", text, "-512")]))
     with monkeypatch.context() as m:
@@ -91,7 +80,7 @@ SIZES = [
 
 
 @pytest.mark.parametrize("text,op,size", SIZES)
-def test_sizes_exact(tmp_path, monkeypatch, text, op, size):
+def test_sizes_exact(tmp_path, monkeypatch, refuse_python, text, op, size):
     path = tmp_path / "t.json"
     path.write_text(trace_text([memory("1", "4096", text)]))
     with monkeypatch.context() as m:
@@ -125,7 +114,7 @@ def test_numbers_as_the_python_reader(tmp_path, events):
         assert read(path, False, device=device) == read(path, True, device=device)
 
 
-def test_counters_exact(tmp_path, monkeypatch):
+def test_counters_exact(tmp_path, monkeypatch, refuse_python):
     """Total Allocated at the ends of int64 and the time order, from numbers scanned once."""
     path = tmp_path / "t.json"
     path.write_text(trace_text([
@@ -149,7 +138,7 @@ _GAP = st.text(st.sampled_from(" \n\r\t"), max_size=40)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(gaps=st.lists(_GAP, min_size=12, max_size=12), bad=st.sampled_from(["", "\x0b", "\x0c", "\x00", "\xa0"]),
        where=st.integers(0, 11), block_size=st.sampled_from([1, 7, 16, 17, 1 << 20]))
-def test_whitespace_gaps(tmp_path, monkeypatch, gaps, bad, where, block_size):
+def test_whitespace_gaps(tmp_path, monkeypatch, refuse_python, gaps, bad, where, block_size):
     """Gaps of every length around every token of an event, one of them perhaps holding a
     byte that is not JSON whitespace (then the Python reader's error, as before)."""
     gaps[where] = gaps[where][: len(gaps[where]) // 2] + bad + gaps[where][len(gaps[where]) // 2:]
