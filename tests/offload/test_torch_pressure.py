@@ -255,3 +255,19 @@ def test_a_saved_output_is_freed_without_a_backward_under_the_hooks():
     del y
     gc.collect()
     assert ref() is None
+
+
+def test_every_steady_swap_out_reuses_a_host_copy_of_the_poison_backend():
+    """The poison backend keeps the host copies that came back: a steady iteration repeats the
+    same swaps, so from the second one on each of its swap-outs copies into a kept tensor (no
+    fresh allocation) and the kept bytes stay what they were. (The first steady iteration makes
+    3 fresh copies: the replay holds storages out at other times than the probation did.)"""
+    seen = []
+    losses, got, ooc = train(data(7), PEAK // 2, each=lambda b: seen.append(
+        (b.stats()["swap"]["swap_outs"], b.stats()["swap"]["host_copies_reused"],
+         b.stats()["swap"]["host_bytes_kept"])))
+    assert ooc.stats()["steady_iterations"] == 3
+    outs = [seen[i + 1][0] - seen[i][0] for i in range(3, 6)]
+    reused = [seen[i + 1][1] - seen[i][1] for i in range(3, 6)]
+    assert outs == [24] * 3 and reused == [21, 24, 24]
+    assert len({kept for _, _, kept in seen[4:]}) == 1

@@ -9,6 +9,7 @@ storage without moving it).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 from vmalloc.errors import InvalidArgumentError
@@ -32,13 +33,21 @@ class PoisonSwap:
     it. Copies are synchronous, so every swap is complete when issued; states still follow the
     SwapManager's (``swapping_out`` until waited), so the runtime's protocol is exercised in
     full.
+
+    A host copy whose storage came back is kept for the next swap-out of as many bytes (a
+    fresh allocation per swap cost more than the copy itself: measured, docs/benchmarks.md),
+    as long as the live and kept copies together stay within the most the live ones ever
+    held (``host_bytes_kept``; ``host_copies_reused`` counts the reuses).
     """
 
     def __init__(self):
         self._storages = {}   # ptr -> [storage weakref]
         self._host = {}       # ptr -> saved bytes (a uint8 tensor)
         self._state = {}      # ptr -> state, absent = resident
-        self._stats = dict(bytes_swapped_out=0, bytes_swapped_in=0, swap_outs=0, swap_ins=0)
+        self._stats = dict(bytes_swapped_out=0, bytes_swapped_in=0, swap_outs=0, swap_ins=0,
+                           host_copies_reused=0)
+        self._spare = {}      # nbytes -> [uint8 tensors no storage's bytes are in]
+        self._live = self._kept = self._peak = 0   # host bytes: in copies, spare, most live
 
     def tracks(self, ptr, nbytes):
         return True
@@ -68,15 +77,47 @@ class PoisonSwap:
     def state(self, key):
         return self._state.get(key, "resident")
 
+    def _copy(self, view):
+        """The host copy of a byte view: into a kept tensor of its size, else a new one."""
+        n = view.numel()
+        spares = self._spare.get(n)
+        if spares:
+            host = spares.pop()
+            if not spares:
+                del self._spare[n]
+            self._kept -= n
+            host.copy_(view)
+            self._stats["host_copies_reused"] += 1
+        else:
+            host = view.clone()
+        self._live += n
+        self._peak = max(self._peak, self._live)
+        while self._live + self._kept > self._peak:     # (kept of other sizes: dropped)
+            size, spares = next(iter(self._spare.items()))
+            spares.pop()
+            self._kept -= size
+            if not spares:
+                del self._spare[size]
+        return host
+
+    def _drop(self, host):
+        """A host copy no storage's bytes are in any more: kept for reuse within the peak."""
+        if host.dtype != _uint8():
+            return      # (a compressed copy: not of a storage's size)
+        n = host.numel()
+        self._live -= n
+        if self._live + self._kept + n <= self._peak:
+            self._spare.setdefault(n, []).append(host)
+            self._kept += n
+
     def swap_out(self, ptr, stream=0):
-        from torch.utils._python_dispatch import _disable_current_modes
         if self.state(ptr) != "resident":
             raise InvalidArgumentError(f"swap_out: {ptr:#x} is {self.state(ptr)}")
-        with _disable_current_modes():
+        with _modes_off():
             view = self._bytes(ptr)
             if view is None:
                 raise InvalidArgumentError(f"swap_out: the storage at {ptr:#x} was freed")
-            self._host[ptr] = view.clone()
+            self._host[ptr] = self._copy(view)
             self._poison(ptr, view)
         self._state[ptr] = "swapping_out"
         self._stats["bytes_swapped_out"] += view.numel()
@@ -115,11 +156,10 @@ class PoisonSwap:
             raise InvalidArgumentError(f"wait: {key:#x} has no copy in flight ({state})")
 
     def swap_in(self, key, stream=0):
-        from torch.utils._python_dispatch import _disable_current_modes
         state = self.state(key)
         if state not in ("on_host", "swapping_out"):
             raise InvalidArgumentError(f"swap_in: {key:#x} is {state}")
-        with _disable_current_modes():
+        with _modes_off():
             view = self._bytes(key)
             if view is None:
                 raise InvalidArgumentError(f"swap_in: the storage at {key:#x} was freed")
@@ -128,6 +168,7 @@ class PoisonSwap:
             # a failed copy leaves it on the host, to be swapped in again.
             self._copy_back(view, host)
             del self._host[key]
+            self._drop(host)
             if host.dtype != view.dtype:
                 self._stats["compressed_swap_ins"] = \
                     self._stats.get("compressed_swap_ins", 0) + 1
@@ -153,7 +194,7 @@ class PoisonSwap:
                 # follows the backend's state). The first error is the one raised.
                 self._state[ptr] = "on_host"
                 raise first from None
-            del self._host[ptr]
+            self._drop(self._host.pop(ptr))
             raise
 
     @staticmethod
@@ -165,7 +206,9 @@ class PoisonSwap:
             _as_float32(view).copy_(host)
 
     def discard(self, key):
-        self._host.pop(key, None)
+        host = self._host.pop(key, None)
+        if host is not None:
+            self._drop(host)
         self._state.pop(key, None)
 
     def release(self, key, stream=0):
@@ -184,7 +227,18 @@ class PoisonSwap:
     def stats(self):
         out = dict(self._stats)
         out["host_bytes"] = sum(t.numel() * t.element_size() for t in self._host.values())
+        out["host_bytes_kept"] = self._kept
         return out
+
+
+def _modes_off():
+    """No dispatch mode for the backend's own copies: PyTorch's context that pops them, or
+    none when none is pushed (the steady state: the context alone cost ~5 us a swap)."""
+    import torch
+    if torch._C._len_torch_dispatch_stack() == 0:
+        return contextlib.nullcontext()
+    from torch.utils._python_dispatch import _disable_current_modes
+    return _disable_current_modes()
 
 
 def holds_beyond_budget(allocator, budget):
