@@ -20,7 +20,6 @@ an error on leaving ``out_of_core`` never hides the block's own error.
 """
 
 import ctypes
-import itertools
 
 import numpy as np
 import pytest

@@ -3,7 +3,6 @@ integers it converts while scanning (at the 19/20-digit and 64-bit boundaries), 
 gaps classified sixteen bytes at a time, and values skipped without recursion (nesting up to
 and past the depth limit), each with exact expected values and against the Python reader."""
 
-import json
 import os
 
 import pytest
