@@ -1,5 +1,6 @@
 """HostDevice: the emulated device's virtual memory, its rules, capacity and counters."""
 
+import gc
 import mmap
 import threading
 
@@ -447,19 +448,48 @@ def test_host_alloc_and_free():
 
 # --- the kernel's mapping budget ----------------------------------------------------------
 
-def test_vma_limit_refusal_changes_nothing():
+def refusal_at_vma_limit(midway=lambda: None):
+    # The budget is process-wide: a device of an earlier test left in a reference cycle (an
+    # exception's traceback holds its frame) gives its mappings back whenever the cyclic
+    # collector runs, and a collection inside the window below made room for the second
+    # mapping (DID NOT RAISE, 2 in ~15 runs). So the garbage goes first, and the collector
+    # stays off while the count is read and spent.
+    gc.collect()
+    gc.disable()
     dev = HostDevice(granularity=PAGE)
     limit = HostDevice.vma_limit()
     p = dev.reserve(64 * PAGE)
     try:
         HostDevice.set_vma_limit(HostDevice.process_vmas() + 2)  # room for one mapping
+        midway()
         h1, h2 = dev.create(PAGE), dev.create(PAGE)
         dev.map(p, PAGE, h1)
         assert_refused(dev, lambda: dev.map(p + 2 * PAGE, PAGE, h2), "cuMemMap",
                        OUT_OF_MEMORY, match="max_map_count", counted="map")
     finally:
         HostDevice.set_vma_limit(limit)
+        gc.enable()
     dev.map(p + 2 * PAGE, PAGE, h2)
+
+
+def test_vma_limit_refusal_changes_nothing():
+    refusal_at_vma_limit()
+
+
+def test_vma_limit_refusal_with_a_device_in_garbage():
+    # Another device's mappings, reachable only through a cycle, freed by a collection in the
+    # middle of the check (forced here; in the suite, any allocation may trigger one).
+    gc.disable()
+    try:
+        other = HostDevice(granularity=PAGE)
+        other.reserve(4 * PAGE)
+        cycle = [other]
+        cycle.append(cycle)
+        del other, cycle
+        assert HostDevice.process_vmas() >= 1
+        refusal_at_vma_limit(midway=gc.collect)
+    finally:
+        gc.enable()
 
 
 # --- thread safety ------------------------------------------------------------------------

@@ -217,13 +217,20 @@ def test_a_rerun_reads_through_temporary_tensor_objects():
     out = torch.tanh(v)
     rerun = AtenRerun.make(torch.ops.aten.tanh.default, (v,), {}, out, lambda t: True)
     want = out.clone()
+    x_then, threads_then = x.clone(), torch.get_num_threads()
     kept = out.view(64, 256)       # the program keeps only a view of the output
     del v, out
     gc.collect()
     assert rerun.ready()
     kept.fill_(float("nan"))       # dropped: its bytes are gone
     rerun()
-    assert torch.equal(kept.view(64, 2, 128), want)
+    # Seen once in a full suite run, not reproduced since: the rerun differed by up to 5e-5 on
+    # half the elements. If it comes back, this says whether the input or the threads changed.
+    assert torch.equal(x, x_then) and torch.get_num_threads() == threads_then
+    diff = (kept.view(64, 2, 128) - want).abs()
+    assert torch.equal(kept.view(64, 2, 128), want), (
+        f"rerun differs on {int((diff != 0).sum())} of {diff.numel()} elements, by up to "
+        f"{diff.max().item()}; threads {threads_then}, input at {x.data_ptr() % 64} mod 64")
     del x                          # the input's storage itself gone: the rerun cannot run
     gc.collect()
     assert not rerun.ready()
