@@ -11,23 +11,24 @@ PRE, POST, PACK, UNPACK, GRAD, STEP, OP = range(7)
 _light = None
 
 
-def light_mode(pressure):
-    """A dispatch mode for the optimizer's step only: one boundary per op and nothing else
-    (an optimizer's per-parameter loop has no hook of its own; its swaps are one per op)."""
+def light_mode(boundary):
+    """A dispatch mode for the optimizer's step only: one boundary per op (``boundary(func)``)
+    and nothing else (an optimizer's per-parameter loop has no hook of its own; its swaps are
+    one per op)."""
     global _light
     if _light is None:
         from torch.utils._python_dispatch import TorchDispatchMode
 
         class _StepOps(TorchDispatchMode):
-            def __init__(self, pressure):
+            def __init__(self, boundary):
                 super().__init__()
-                self.pressure = pressure
+                self.boundary = boundary
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                self.pressure._event((OP, func))
+                self.boundary(func)
                 return func(*args, **(kwargs or {}))
         _light = _StepOps
-    return _light(pressure)
+    return _light(boundary)
 
 
 
