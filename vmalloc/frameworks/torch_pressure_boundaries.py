@@ -32,7 +32,10 @@ def light_mode(boundary):
                 self.boundary = boundary
 
             def __torch_function__(self, func, types, args=(), kwargs=None):
-                self.boundary(func)
+                # (a property read, ``p.grad``, reads no bytes: no boundary; SGD's step makes
+                # four of them per parameter and one op)
+                if getattr(func, "__name__", None) != "__get__":
+                    self.boundary(func)
                 return func(*args, **(kwargs or {}))
         _light = _StepCalls
     return _light(boundary)
