@@ -12,7 +12,9 @@ torch = pytest.importorskip("torch")
 import vmalloc.torch as vtorch  # noqa: E402
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from vmalloc.frameworks.torch_pressure_plan import make_plan  # noqa: E402
+from vmalloc.frameworks.torch_pressure_boundaries import (PACK, POST, PRE,  # noqa: E402
+                                                          UNPACK)
+from vmalloc.frameworks.torch_pressure_plan import Probation, make_plan  # noqa: E402
 
 #: The in-core peak of tracked storages of the model below (measured with budget=None).
 PEAK = 1802240
@@ -98,6 +100,10 @@ def test_pressure_steady_state_is_bit_identical_and_dispatches_nothing(div, repl
     # persistent storages out across the boundary are out again at its end).
     outs = sum(a == "out" for acts in ooc._steady.pressure.actions.values() for a, _ in acts)
     assert outs > 0
+    # The plan fits without the module post-hooks: the steady state has none of them.
+    p = ooc._steady.pressure
+    assert p.dropped == {POST} and all(key[0] != POST for key in p.keys)
+    assert s["pressure_boundaries"] == len(p.keys) > 0
     assert [seen[i + 1][1] - seen[i][1] for i in range(first - 1, 6)] == [outs] * steady
     ins = sum(a == "in" for acts in ooc._steady.pressure.actions.values() for a, _ in acts)
     assert [seen[i + 1][2] - seen[i][2] for i in range(first - 1, 6)] == [ins] * steady
@@ -271,3 +277,48 @@ def test_every_steady_swap_out_reuses_a_host_copy_of_the_poison_backend():
     reused = [seen[i + 1][1] - seen[i][1] for i in range(3, 6)]
     assert outs == [24] * 3 and reused == [21, 24, 24]
     assert len({kept for _, _, kept in seen[4:]}) == 1
+
+
+def test_a_divergence_inside_the_backward_is_found_and_the_block_ends_cleanly():
+    """A divergence found at a boundary inside autograd's backward (an unpack): a dispatch
+    mode pushed there would be gone when the backward ends (the engine restores the modes of
+    its start), so everything comes back at once, the rest of the iteration runs plain and the
+    dispatch path resumes at the iteration's end. Before, the mode was pushed inside the
+    backward and lost: the block's exit raised 'trying to pop from empty mode stack'."""
+    from vmalloc.frameworks.torch_pressure_boundaries import UNPACK
+
+    def corrupt(block, state={"i": 0}):
+        state["i"] += 1
+        if state["i"] == 5:       # after step 4, the first steady one: step 5 diverges
+            keys = block._steady.pressure.keys
+            j = max(i for i, key in enumerate(keys) if key[0] == UNPACK)
+            keys[j] = (UNPACK, -1)
+
+    xs = data(9)
+    plain, weights, _ = train(xs)
+    losses, got, ooc = train(xs, PEAK // 2, each=corrupt)
+    assert losses == plain and same_weights(weights, got)
+    s = ooc.stats()
+    assert s["steady_exits"] == 1 and s["pressure_iterations"] == 2
+    assert ooc.runtime.last_divergence.startswith("steady state under pressure: boundary")
+    assert ooc._steady.pressure.out == {} and ooc._steady.pressure.halted is None
+
+
+def test_the_probation_seen_without_a_kind_of_boundary_is_renumbered():
+    """Boundaries PRE 0, POST 1, PACK 2, UNPACK 3 (of the pack at 2); buffer 7 exposed first at
+    the POST (position 0) and again at the PACK; a swap-out noted after two boundaries. Left
+    out the POST: boundaries PRE 0, PACK 1, UNPACK 2 (of the pack now at 1), buffer 7 named by
+    its PACK exposure, the swap after one boundary kept."""
+    x = torch.Size([4])
+    p = type("P", (), {})()
+    p.keys = [(PRE, object, ()), (POST, object), (PACK, x, torch.float32), (UNPACK, 2)]
+    p.times, p.log = [0, 10, 20, 30], [(2, "out", 7, 64, 15)]
+    p.exposed = {7: [1 << 16, 2 << 16 | 0], 8: [1 << 16 | 1]}
+    p.uses, p.samples, p.foreign, p.driver = {}, [], None, None
+    seen = Probation(p, frozenset([POST]))
+    assert seen.keys == [(PRE, object, ()), (PACK, x, torch.float32), (UNPACK, 1)]
+    assert seen.times == [0, 20, 30] and seen.log == [(1, "out", 7, 64, 15)]
+    assert seen.exposed == {7: 1 << 16}       # (8: exposed only at the POST: not named)
+    whole = Probation(p)
+    assert whole.keys == p.keys and whole.log == p.log
+    assert whole.exposed == {7: 1 << 16, 8: 1 << 16 | 1}

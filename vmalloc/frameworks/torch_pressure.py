@@ -38,7 +38,7 @@ import sys
 import threading
 import weakref
 
-from vmalloc.frameworks.torch_pressure_boundaries import (GRAD, PACK, POST, PRE, STEP, UNPACK,
+from vmalloc.frameworks.torch_pressure_boundaries import (GRAD, OP, PACK, POST, PRE, STEP, UNPACK,
                                                           Logging, light_mode, tensors_of)
 
 
@@ -62,23 +62,32 @@ class Pressure:
         self.halted = None      # a divergence found inside the step: said at its end
         self.refused = None     # why the last plan was not taken (stats)
         self.counts = dict(pressure_iterations=0, pressure_swap_outs=0, pressure_swap_ins=0,
-                           pressure_peak_bound=0, pressure_replans=0, pressure_margin=0)
+                           pressure_peak_bound=0, pressure_replans=0, pressure_margin=0,
+                           pressure_boundaries=0)
+        self.dropped = frozenset()   # the boundary kinds the steady state's plan leaves out
 
     # --- hooks ----------------------------------------------------------------------------
-    def _install(self):
+    def _install(self, hooks=None):
+        """The boundaries' hooks: the probation's (``hooks`` None: they record too), or the
+        steady state's (:class:`~vmalloc.frameworks.torch_pressure_hooks.Hooks`)."""
+        import functools
+
         import torch
         from torch.nn.modules.module import (register_module_forward_hook,
                                              register_module_forward_pre_hook)
         from torch.optim.optimizer import register_optimizer_step_pre_hook
         self.thread = threading.get_ident()
         self.params = [p for p in self.driver._persistent_tensors() if p.requires_grad]
-        self.handles = [register_module_forward_pre_hook(self._pre),
-                        register_module_forward_hook(self._post),
+        pre, post, grad, pack, unpack = (
+            (self._pre, self._post, self._grad, self._pack, self._unpack) if hooks is None else
+            (hooks.pre, hooks.post, hooks.grad, hooks.pack, hooks.unpack))
+        self.handles = [register_module_forward_pre_hook(pre),
                         register_optimizer_step_pre_hook(self._step)]
+        if hooks is None or POST not in self.dropped:
+            self.handles.append(register_module_forward_hook(post))
         for i, p in enumerate(self.params):
-            self.handles.append(p.register_post_accumulate_grad_hook(
-                lambda p, i=i: self._grad(i, p)))
-        self.saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self.handles.append(p.register_post_accumulate_grad_hook(functools.partial(grad, i)))
+        self.saved = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self.saved.__enter__()
 
     def _uninstall(self):
@@ -105,7 +114,8 @@ class Pressure:
         if threading.get_ident() == self.thread:
             self._event((STEP,))
             if (self.probing or self.active) and self.step_mode is None:
-                self.step_mode = light_mode(self)
+                self.step_mode = light_mode(self.hooks.op if self.active else
+                                            lambda func: self._event((OP, func)))
                 self.step_mode.__enter__()
 
     def stepped(self):
@@ -131,23 +141,27 @@ class Pressure:
     def _unpack(self, handle):
         j, t, version = handle
         if t._version != version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: a saved tensor of shape {list(t.shape)} is at version "
-                f"{t._version}; expected version {version} instead (checked by "
-                "vmalloc.torch.out_of_core's saved-tensor hooks, as autograd does)")
+            self._modified(t, version)
         if j is not None and threading.get_ident() == self.thread:
             # (a storage may still be out here: a node unpacks all it saved before its first
             # op, and the plan brings each back at the last boundary before its first use)
             self._event((UNPACK, j))
         return t
 
+    @staticmethod
+    def _modified(t, version):
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: a saved tensor of shape {list(t.shape)} is at version "
+            f"{t._version}; expected version {version} instead (checked by "
+            "vmalloc.torch.out_of_core's saved-tensor hooks, as autograd does)")
+
     # --- probation ------------------------------------------------------------------------
     def arm(self):
         """The next iteration is the probation: its boundaries and swaps are noted."""
         rt = self.driver.runtime
         self.probing, self.keys, self.n = True, [], 0
-        self.exposed = {}       # buffer id -> the boundary that first exposed it
+        self.exposed = {}       # buffer id -> the slots that exposed it, in order
         self.log = []           # (gap, "out"/"in", buffer id or persistent slot, nbytes, time)
         self.samples = []       # (time, device bytes) after each op and at each boundary
         self.times = []         # each boundary's time (times count samples and swaps)
@@ -187,14 +201,21 @@ class Pressure:
     def plan(self):
         """At the probation's end: the replay, if its bound fits the budget (else False and
         ``refused`` says why)."""
-        from vmalloc.frameworks.torch_pressure_plan import make_plan
+        from vmalloc.frameworks.torch_pressure_plan import Probation, make_plan
         self.disarm()
-        self.excess = 0
-        plan, why = make_plan(self)
+        # The fewest boundaries first: without the module post-hooks if that still fits.
+        for drop in (frozenset([POST]), frozenset()):
+            seen = Probation(self, drop)
+            plan, why = make_plan(seen)
+            if plan is not None:
+                break
+        self.excess = seen.excess
         self.refused = why
         if plan is None:
             self._keep_room()
             return False
+        self.keys, self.dropped = seen.keys, drop
+        self.counts["pressure_boundaries"] = len(self.keys)
         self.actions, slots, self.cycle, bound = plan
         self.slots = {}         # boundary -> positions of the tensors it binds
         for slot in sorted(slots):
@@ -227,7 +248,10 @@ class Pressure:
             if self.driver.backend.state(slot[1]) != "resident":
                 self.out[slot] = slot[1]
                 self.out_ptrs[slot[1]] = slot
-        self._install()
+        from vmalloc.frameworks.torch_pressure_hooks import Hooks
+        self.hooks = Hooks(self)
+        self.work = self.hooks.work   # boundaries where the plan binds or swaps
+        self._install(self.hooks)
 
     def _event(self, key, exposes=None):
         """Boundary i, with what it exposes (a tensor, or a module's arguments or output:
@@ -250,25 +274,33 @@ class Pressure:
                                         "saved: its storages are not seen at a boundary")
                     continue
                 buf = self.driver._storages.known(tensor.untyped_storage())
-                if buf is not None and buf.id not in self.exposed:
-                    self.exposed[buf.id] = i << 16 | k    # (a storage is named by its first)
+                if buf is not None:
+                    self.exposed.setdefault(buf.id, []).append(i << 16 | k)
             return
-        if not self.active:
+        if not self.active or self.halted is not None:
             return
-        keys = self.keys
-        if self.halted is not None:
-            return
-        if i >= len(keys) or keys[i] != key:
-            what = "more boundaries than" if i >= len(keys) else f"boundary {i} differs from"
-            why = f"steady state under pressure: {what} the record"
-            if self.step_mode is None:
-                self.steady.leave(why, now=True)
-            else:
-                # Inside the step's own mode, which cannot be popped from its handler: all
-                # back now, the rest of the step plain, back to the dispatch path at its end.
-                self.restore(everything=True)
-                self.halted = why
-            return
+        if i >= len(self.keys) or self.keys[i] != key:
+            self._diverged(i, key)
+        elif i in self.work:
+            self._hit(i, exposes)
+
+    def _diverged(self, i, key):
+        """Boundary i is not the record's: every storage back, the dispatch path again."""
+        what = ("more boundaries than" if i >= len(self.keys)
+                else f"boundary {i} differs from")
+        why = f"steady state under pressure: {what} the record"
+        if self.step_mode is None and sys.modules["torch"]._C._current_graph_task_id() < 0:
+            self.steady.leave(why, now=True)
+        else:
+            # Inside the step's own mode, which cannot be popped from its handler, or inside
+            # autograd's backward, whose end restores the dispatch modes of its start (a mode
+            # pushed here would be gone): all back now, the rest of the iteration plain, the
+            # dispatch path from its end.
+            self.restore(everything=True)
+            self.halted = why
+
+    def _hit(self, i, exposes):
+        """Boundary i, where the plan binds a storage or swaps."""
         if self.dead:
             self._collect()
         if self.driver._storages.dead:

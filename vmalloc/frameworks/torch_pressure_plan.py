@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import bisect
 
+from vmalloc.frameworks.torch_pressure_boundaries import UNPACK
+
 
 class _Plan:
     def __init__(self, pressure):
@@ -109,9 +111,39 @@ def _resident(plan, run):
         plan.holds.append((t1, float("inf"), nbytes))
 
 
+class Probation:
+    """The probation as a plan sees it, with the boundaries of the kinds in ``drop`` left out
+    (renumbered): a storage is then named by its first exposure at a boundary kept, and a
+    swap's gap counts the boundaries kept before it. Why: each boundary is a Python call in
+    every steady step, and a plan that fits the budget without some kind of them saves those
+    calls (the module forward post-hooks: a tenth of the boundaries, and PyTorch's slower
+    module call path while any global forward hook is registered)."""
+
+    def __init__(self, pressure, drop=frozenset()):
+        keep = [i for i, key in enumerate(pressure.keys) if key[0] not in drop]
+        renumber = {i: j for j, i in enumerate(keep)}
+        self.drop = drop
+        # (an unpack's key names its pack's boundary: renumbered too)
+        self.keys = [key if key[0] != UNPACK else (UNPACK, renumber[key[1]])
+                     for key in (pressure.keys[i] for i in keep)]
+        self.times = [pressure.times[i] for i in keep]
+        self.log = [(bisect.bisect_left(keep, gap),) + rest for gap, *rest in pressure.log
+                    for rest in [tuple(rest)]]
+        self.exposed = {}
+        for buf, slots in pressure.exposed.items():
+            for slot in slots:
+                j = renumber.get(slot >> 16)
+                if j is not None:
+                    self.exposed[buf] = j << 16 | slot & 0xFFFF
+                    break
+        self.uses, self.samples = pressure.uses, pressure.samples
+        self.foreign, self.driver = pressure.foreign, pressure.driver
+        self.excess = 0
+
+
 def make_plan(pressure):
     """((actions by boundary, slots bound, cycle, bound of the device bytes), None), or
-    (None, why)."""
+    (None, why); ``pressure``: a :class:`Probation`."""
     if pressure.foreign is not None:
         return None, pressure.foreign
     plan = _Plan(pressure)
