@@ -1,7 +1,7 @@
 """The child side of the two-rank gloo tests (test_torch_distributed.py, test_torch_fsdp2.py):
 what every rank worker (ddp_worker.py, fsdp2_worker.py, run as scripts, so this file is their
 sibling import) does around its own job. The parent side is the ``run_two_ranks`` fixture
-(tests/offload/conftest.py)."""
+(tests/offload/conftest.py). ``train`` also serves test_torch_recompute.py."""
 
 import os
 from contextlib import contextmanager

@@ -319,3 +319,46 @@ def test_keep_free_plans_again_with_room_left_or_changes_nothing(mlp_reference):
     assert out.losses == ref.losses and out.weights == ref.weights
     assert rt.stats()["peak_device_bytes"] <= rt.budget
     rt._schedule.check(rt._sequence, rt.budget - margin)
+
+
+def test_keep_free_schedules_the_record_once(mlp_reference, monkeypatch):
+    """keep_free makes the window schedule for the smaller budget once (it used to make it
+    twice: once to test the margin, again to plan); a margin no mode fits tries each mode once
+    and leaves the plan, the counters and the message as they were, even under strict."""
+    import warnings
+
+    from vmalloc.offload.scheduling.window import WindowScheduler
+
+    ref, ref_rt = mlp_reference
+    capacity = (ref_rt.stats()["peak_device_bytes"] // 2) // (2 * MiB) * (2 * MiB)
+    rt = runtime("virtual", capacity, strict=True)
+    nt.train(rt, **MLP)
+    made = []
+    schedule = WindowScheduler.schedule
+    monkeypatch.setattr(WindowScheduler, "schedule", lambda self, seq, trace=None: (
+        made.append(self.persistent), schedule(self, seq, trace))[1])
+    before = rt.stats()
+    assert rt.keep_free(rt.budget // 16) is True
+    assert made == ["resident", "swap"]     # (resident does not fit the smaller budget)
+    assert rt.stats()["reschedules"] == before["reschedules"] + 1
+    kept, sequence, before, made[:] = rt._schedule, rt._sequence, rt.stats(), []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert rt.keep_free(rt.budget - 1) is False
+    assert made == ["resident", "swap"]
+    assert rt._schedule is kept and rt._sequence is sequence
+    assert rt.schedule_margin == rt.budget // 16 and rt.stats() == before
+
+
+def test_keep_free_that_no_plan_fits_leaves_the_recompute_plan(mlp_reference):
+    """keep_free plans with recompute too: a margin no plan fits leaves the standing plan's
+    recompute state (the reason it recomputes nothing, its chains) as it was."""
+    ref, ref_rt = mlp_reference
+    capacity = 2 * ref_rt.stats()["peak_device_bytes"] // (2 * MiB) * (2 * MiB)
+    rt = runtime("virtual", capacity, recompute=True)
+    with pytest.warns(UserWarning, match="recomputes nothing: no budget pressure"):
+        nt.train(rt, **MLP)
+    chains = rt._rc_chain
+    assert rt.keep_free(rt.budget - 1) is False
+    assert rt.stats()["recompute_reason"] == "no budget pressure: nothing is swapped"
+    assert rt._rc_chain is chains

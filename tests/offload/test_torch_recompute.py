@@ -3,6 +3,8 @@ dropped storage is poisoned (0xFF: NaN) and the driver re-dispatches the aten op
 before its next use, so bit-identical losses and weights prove that every recompute happened
 and reproduced the same bits."""
 
+import os
+import sys
 import warnings
 
 import pytest
@@ -13,6 +15,9 @@ torch = pytest.importorskip("torch")
 
 import vmalloc.torch as vtorch  # noqa: E402
 from vmalloc.frameworks.torch_recompute import rerunnable  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _dist import train  # noqa: E402  (the SGD pass the two-rank workers run)
 
 CH = 16
 
@@ -35,17 +40,6 @@ def data(steps, batch=64, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(batch, 3, 32, 32, generator=g),
              torch.randint(0, 10, (batch,), generator=g)) for _ in range(steps)]
-
-
-def train(model, opt, batches):
-    losses = []
-    for x, y in batches:
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def run(budget=None, steps=4, **kw):

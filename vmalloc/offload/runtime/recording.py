@@ -85,80 +85,106 @@ class Recording:
         self._record_allocs = []
         self._record_persistent = [b for b in self._buffers.values() if b.persistent]
 
-    def _build_schedule(self):
-        from vmalloc.offload.sequence.sequence import FunctionSequence
-        from vmalloc.offload.scheduling.schedule import ScheduleError
-
-        seq = FunctionSequence(name="runtime")
-        var_of = {}
-        # A buffer adopted during the iteration that the driver marked persistent before it
-        # ended (it outlives the iteration: nnabla's uncleared arrays) is recorded persistent.
-        promoted = [b for b in self._record_allocs if b.persistent]
-        self._record_persistent = self._record_persistent + [
-            b for b in promoted if b not in self._record_persistent]
-        self._record_allocs = [b for b in self._record_allocs if not b.persistent]
-        for buf in self._record_persistent:
-            if buf.alive:
-                var_of[id(buf)] = seq.add_variable(buf.footprint, persistent=True,
-                                                   name=f"b{buf.id}")
-        for k, buf in enumerate(self._record_allocs):
-            var_of[id(buf)] = seq.add_variable(buf.footprint, persistent=False,
-                                               name=f"t{k}")
-        for name, reads, writes in self._record_funcs:
-            seq.add_function(inputs=[var_of[id(b)] for b in reads if id(b) in var_of],
-                             outputs=[var_of[id(b)] for b in writes if id(b) in var_of],
-                             name=name)
+    def _build_schedule(self, keep_old=False) -> bool:
+        """Schedules the record (the first persistent mode that fits, see :meth:`_plan`) and
+        returns whether a schedule fits. ``keep_old``: a budget none fits changes nothing (the
+        plan that stands stays, nothing is said or counted); else it is said
+        (:meth:`_unschedulable`) and iterations run on demand."""
+        seq, var_of, persistent, transient = self._record_sequence()
+        before = (self._rc_chain, self._recompute_reason)
+        schedule, error = self._plan(seq)
+        if schedule is None and keep_old:
+            self._rc_chain, self._recompute_reason = before
+            return False
         had_schedule = self._sequence is not None or self._stats["recorded_iterations"] > 1
+        self._record_persistent, self._record_allocs = persistent, transient
         self._sequence = seq
-        self._persistent_vars = {buf.id: var_of[id(buf)] for buf in self._record_persistent
+        self._persistent_vars = {buf.id: var_of[id(buf)] for buf in persistent
                                  if id(buf) in var_of}
-        for buf in self._record_persistent:
+        for buf in persistent:
             buf.var = var_of.get(id(buf))
-        self._transient_vars = [var_of[id(b)] for b in self._record_allocs]
-        modes = ["resident", "swap"] if self.persistent == "auto" else [self.persistent]
-        self._rc_chain = {}
-        for mode in modes:
-            scheduler = None
-            try:
-                scheduler = self._make_scheduler(mode)
-                self._schedule = scheduler.schedule(seq)
-                # LMS and vDNN take no budget: their plans are checked for the rules only
-                # (on demand, eviction keeps the budget around them).
-                budgetless = self._scheduler_spec in ("lms", "vdnn")
-                self._schedule.check(seq, None if budgetless or self.budget is None
-                                     else self.budget - self.schedule_margin)
-                self.last_schedule_error = None
-            except ScheduleError as error:
-                # This budget cannot be scheduled (so): run on demand, which evicts as needed.
-                self._schedule = None
-                self.last_schedule_error = error
-            if self.recompute:
-                self._recompute_reason = None
-                if self.budget is None or (self._schedule is not None
-                                           and self._schedule.swap_out_bytes(seq) == 0):
-                    self._recompute_reason = "no budget pressure: nothing is swapped"
-                elif scheduler is None:    # (the scheduler itself could not be made)
-                    self._recompute_reason = "no schedule with recompute fits the budget"
-                else:
-                    # Recompute instead of swapping where it moves fewer bytes (or fits).
-                    rc = self._recompute_plan(seq, scheduler, self._schedule)
-                    if rc is not None:
-                        self._schedule = rc
-                        self.last_schedule_error = None
-            if self._schedule is not None:
-                break
+        self._transient_vars = [var_of[id(b)] for b in transient]
+        self._schedule, self.last_schedule_error = schedule, error
         if self._recompute_reason is not None and not self._warned_recompute:
             self._warned_recompute = True     # said once; stats() keeps the latest
             warn_user(f"recompute=True recomputes nothing: {self._recompute_reason}",
                       UserWarning)
         if had_schedule:
             self._stats["reschedules"] += 1
-        if self._schedule is None:
+        if schedule is None:
             self._stats["schedule_failures"] += 1
-            self._unschedulable(seq, self.last_schedule_error)
+            self._unschedulable(seq, error)
         else:
             self._schedule_error = None
             self._plan_compression()
+        return schedule is not None
+
+    def _record_sequence(self):
+        """The record as a FunctionSequence: ``(seq, var_of, persistent, transient)``, the
+        last two the record's buffers once those the driver marked persistent before the
+        iteration ended (they outlive it: nnabla's uncleared arrays) count as persistent."""
+        from vmalloc.offload.sequence.sequence import FunctionSequence
+
+        seq = FunctionSequence(name="runtime")
+        var_of = {}
+        promoted = [b for b in self._record_allocs if b.persistent]
+        persistent = self._record_persistent + [
+            b for b in promoted if b not in self._record_persistent]
+        transient = [b for b in self._record_allocs if not b.persistent]
+        for buf in persistent:
+            if buf.alive:
+                var_of[id(buf)] = seq.add_variable(buf.footprint, persistent=True,
+                                                   name=f"b{buf.id}")
+        for k, buf in enumerate(transient):
+            var_of[id(buf)] = seq.add_variable(buf.footprint, persistent=False,
+                                               name=f"t{k}")
+        for name, reads, writes in self._record_funcs:
+            seq.add_function(inputs=[var_of[id(b)] for b in reads if id(b) in var_of],
+                             outputs=[var_of[id(b)] for b in writes if id(b) in var_of],
+                             name=name)
+        return seq, var_of, persistent, transient
+
+    def _persistent_modes(self):
+        """The persistent modes a plan tries, in order (``"auto"``: resident if it fits)."""
+        return ["resident", "swap"] if self.persistent == "auto" else [self.persistent]
+
+    def _plan(self, seq):
+        """``(schedule, error)``: the schedule of the first persistent mode that fits the
+        budget (with recompute where it moves fewer bytes), else None and the last
+        ScheduleError. Sets ``_rc_chain`` and, with recompute, ``_recompute_reason``."""
+        from vmalloc.offload.scheduling.schedule import ScheduleError
+
+        self._rc_chain = {}
+        schedule = error = None
+        for mode in self._persistent_modes():
+            scheduler = None
+            try:
+                scheduler = self._make_scheduler(mode)
+                schedule = scheduler.schedule(seq)
+                # LMS and vDNN take no budget: their plans are checked for the rules only
+                # (on demand, eviction keeps the budget around them).
+                budgetless = self._scheduler_spec in ("lms", "vdnn")
+                schedule.check(seq, None if budgetless or self.budget is None
+                               else self.budget - self.schedule_margin)
+                error = None
+            except ScheduleError as e:
+                # This budget cannot be scheduled (so): run on demand, which evicts as needed.
+                schedule, error = None, e
+            if self.recompute:
+                self._recompute_reason = None
+                if self.budget is None or (schedule is not None
+                                           and schedule.swap_out_bytes(seq) == 0):
+                    self._recompute_reason = "no budget pressure: nothing is swapped"
+                elif scheduler is None:    # (the scheduler itself could not be made)
+                    self._recompute_reason = "no schedule with recompute fits the budget"
+                else:
+                    # Recompute instead of swapping where it moves fewer bytes (or fits).
+                    rc = self._recompute_plan(seq, scheduler, schedule)
+                    if rc is not None:
+                        schedule, error = rc, None
+            if schedule is not None:
+                break
+        return schedule, error
 
     def _unschedulable(self, seq, error):
         """Says (once) that no schedule fits; raises under ``strict``."""
@@ -208,26 +234,14 @@ class Recording:
         driver's steady state under pressure). Only when a window schedule fits the smaller
         budget: else nothing changes and False is returned (nothing said: the budget itself
         is still kept by the plan that stands)."""
-        from vmalloc.offload.scheduling.schedule import ScheduleError
-
         if (self._scheduler_spec != "window" or self._sequence is None or self.budget is None
                 or not 0 < margin < self.budget):
             return False
         old, self.schedule_margin = self.schedule_margin, margin
-        modes = ["resident", "swap"] if self.persistent == "auto" else [self.persistent]
-        for mode in modes:
-            try:
-                self._make_scheduler(mode).schedule(self._sequence).check(
-                    self._sequence, self.budget - margin)
-                break
-            except ScheduleError:
-                continue
-        else:
-            self.schedule_margin = old
-            return False
-        self._build_schedule()
-        return True
-
+        if self._build_schedule(keep_old=True):
+            return True
+        self.schedule_margin = old
+        return False
 
 def _largest_function(seq):
     """(index, device bytes) of the function whose distinct variables take the most bytes:

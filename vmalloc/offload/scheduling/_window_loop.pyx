@@ -97,6 +97,21 @@ def uses_and_next(list functions, int64_t nvar, const unsigned char[::1] managed
     return var_a[:e], nxt_a, bounds_a, reads_a, first_a, outs_a[:o], out_bounds_a
 
 
+cdef inline int64_t settle(int64_t v, const int64_t[::1] sizes, int64_t *out_token,
+                           unsigned char[::1] state, list drop, list wait_swap_out) except? -1:
+    """v's swap-out in flight is taken before the current function (``drop``: a pending
+    drop, its memory released; else ``wait_swap_out``, the copy waited for): v is on the
+    host. Returns its bytes, which leave ``held`` and the bytes in flight (window.py's
+    ``_settle``)."""
+    out_token[v] = 0
+    if state[v] == DROPPING:
+        drop.append(v)
+    else:
+        wait_swap_out.append(v)
+    state[v] = ON_HOST
+    return sizes[v]
+
+
 def window_loop(int64_t n, int64_t nvar, const int64_t[::1] sizes,
                 const unsigned char[::1] persistent, const int64_t[::1] fvar,
                 const int64_t[::1] fnext, const int64_t[::1] bounds, const int64_t[::1] fnin,
@@ -131,7 +146,7 @@ def window_loop(int64_t n, int64_t nvar, const int64_t[::1] sizes,
         free(deferred)
         raise MemoryError()
     cdef int64_t fhead = 0, ftail = 0, token = 0, wbytes = 0, hm = 0, head = 0
-    cdef int64_t pend = 0, fbytes = 0, later, d
+    cdef int64_t pend = 0, fbytes = 0, later, d, nb
     cdef int64_t i, j, k, a, b, e, v, nx, t, c, add, need, nskip, pos, fail = -1
     cdef unsigned char s
     cdef bint out
@@ -176,14 +191,10 @@ def window_loop(int64_t n, int64_t nvar, const int64_t[::1] sizes,
                     fhead += 1
                     if out_token[v] != t:
                         continue
-                    out_token[v] = 0
-                    held -= sizes[v]
-                    fbytes -= sizes[v]
-                    if state[v] == DROPPING:
-                        (<list> drop[i]).append(v)
-                    else:
-                        (<list> wait_swap_out[i]).append(v)
-                    state[v] = ON_HOST
+                    nb = settle(v, sizes, out_token, state, <list> drop[i],
+                                <list> wait_swap_out[i])
+                    held -= nb
+                    fbytes -= nb
             # (a)/(b): admit functions entering the window
             while head < hm:
                 j = head
@@ -227,14 +238,10 @@ def window_loop(int64_t n, int64_t nvar, const int64_t[::1] sizes,
                             fv[fhead + nskip] = v
                             nskip += 1
                             continue
-                        out_token[v] = 0
-                        held -= sizes[v]
-                        fbytes -= sizes[v]
-                        if state[v] == DROPPING:
-                            (<list> drop[i]).append(v)
-                        else:
-                            (<list> wait_swap_out[i]).append(v)
-                        state[v] = ON_HOST
+                        nb = settle(v, sizes, out_token, state, <list> drop[i],
+                                    <list> wait_swap_out[i])
+                        held -= nb
+                        fbytes -= nb
                     # move the skipped ones up against the entries not popped
                     for k in range(nskip - 1, -1, -1):
                         ftok[pos - nskip + k] = ftok[fhead + k]

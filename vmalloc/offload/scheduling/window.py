@@ -66,6 +66,23 @@ _ABSENT, _ON_HOST, _HELD, _SWAPPING_OUT, _DROPPING = range(5)
 _LIMIT = 1 << 62
 
 
+def _settle(v, sizes, out_token, state, step, i, trace):
+    """v's swap-out in flight is taken before function i (``step.drop``: a pending drop, its
+    memory released; else ``step.wait_swap_out``, the copy waited for): v is on the host.
+    Returns its bytes, which leave ``held`` and the bytes in flight (``_window_loop.settle``)."""
+    out_token[v] = 0
+    if state[v] == _DROPPING:
+        step.drop.append(v)
+        if trace is not None:
+            trace.append(("drop", i, v))
+    else:
+        step.wait_swap_out.append(v)
+        if trace is not None:
+            trace.append(("wait", i, v))
+    state[v] = _ON_HOST
+    return sizes[v]
+
+
 def _uses_and_next(functions, nvar, managed):
     """Per function: the managed variables it uses, each once, its reads first (``var``, all
     functions' one after the other, function i's at ``bounds[i]:bounds[i+1]``), how many of
@@ -292,16 +309,9 @@ class WindowScheduler:
                     t, v, _ = fifo.popleft()
                     if out_token[v] != t:
                         continue
-                    out_token[v] = 0
-                    held -= sizes[v]
-                    fbytes -= sizes[v]
-                    if state[v] == _DROPPING:
-                        step.drop.append(v)
-                    else:
-                        step.wait_swap_out.append(v)
-                    if trace is not None:
-                        trace.append(("drop" if state[v] == _DROPPING else "wait", i, v))
-                    state[v] = _ON_HOST
+                    nb = _settle(v, sizes, out_token, state, step, i, trace)
+                    held -= nb
+                    fbytes -= nb
             # (a)/(b): admit functions entering the window
             while head < hm:
                 j = head
@@ -338,18 +348,9 @@ class WindowScheduler:
                         if v in own:
                             skipped.append(entry)   # about to be cancelled: do not wait
                             continue
-                        out_token[v] = 0
-                        held -= sizes[v]
-                        fbytes -= sizes[v]
-                        if state[v] == _DROPPING:
-                            step.drop.append(v)
-                            if trace is not None:
-                                trace.append(("drop", i, v))
-                        else:
-                            step.wait_swap_out.append(v)
-                            if trace is not None:
-                                trace.append(("wait", i, v))
-                        state[v] = _ON_HOST
+                        nb = _settle(v, sizes, out_token, state, step, i, trace)
+                        held -= nb
+                        fbytes -= nb
                     fifo.extendleft(reversed(skipped))
                 if held + need > budget:
                     if j == i:
