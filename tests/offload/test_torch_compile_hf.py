@@ -1,0 +1,116 @@
+"""Compiled training with vmalloc's plan for a Hugging Face model: a tiny GPT-2 built from
+``transformers.GPT2Config`` (no download) with an attention mask, whose mask code branches on
+the mask's values. vmalloc.torch.policy records it on FakeTensors (the mask code takes its
+tracing path, as under torch.compile); before, it recorded on plain meta tensors and refused
+the model (InvalidArgumentError: meta tensors have no values). The compiled graphs hold the
+plan's offloads; losses and weights are bit-identical to compiled in-core training (offload on
+CPU is a CPU-to-CPU copy)."""
+
+import importlib.util
+import pathlib
+import time
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="vmalloc.torch.policy needs PyTorch")
+transformers = pytest.importorskip("transformers", reason="the Hugging Face model needs "
+                                   "transformers")
+
+import vmalloc.torch as vtorch  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _load(name, path):
+    # examples and test helpers are no package (pytest's importlib mode: not on sys.path)
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+graphs_of = _load("_compile_graphs", ROOT / "tests" / "offload" / "_compile_graphs.py")
+capturing = _load("_torch_compile_example",
+                  ROOT / "examples" / "torch_compile_out_of_core.py").capturing
+BATCH, SEQ, VOCAB = 8, 16, 100
+
+
+def gpt2():
+    torch.manual_seed(0)
+    # Dropout off: the comparison is bit for bit, and dropout's masks are random.
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB,
+                                     n_positions=SEQ, bos_token_id=0, eos_token_id=0,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def loss_fn(out, ids):
+    """Next-token cross entropy, outside the model: passing ``labels`` runs transformers'
+    loss, whose logger call breaks torch.compile's graph inside the region."""
+    return torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1),
+                                             ids[:, 1:].flatten())
+
+
+def batch():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, ids
+
+
+def run(model, inputs, ids, steps=2):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=False)
+    losses, seconds = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        loss = loss_fn(model(**inputs), ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        seconds.append(time.perf_counter() - start)
+    return losses, seconds
+
+
+def test_gpt2_with_a_mask_compiles_with_the_plans_offloads():
+    model, reference = gpt2(), gpt2()
+    inputs, ids = batch()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    # weights, gradients and momentum, and no room left for activations: the plan offloads
+    plan = vtorch.policy(model, (inputs, ids), loss_fn=loss_fn, budget=3 * params,
+                         link_gbps=12)
+    assert plan.plan.feasible and plan.mapped
+    stats = plan.stats()
+    assert (stats["save"], stats["recompute"], stats["offload"]) == (59, 0, 18)
+    graphs = {}
+    compiled = vtorch.compile_out_of_core(model, plan, backend=capturing(graphs))
+    # Recorded on meta, attention is the math path; on CPU it is one flash-attention op per
+    # layer, which has no decision (said once, saved), as the attention's clone of the mask.
+    with pytest.warns(UserWarning, match="_scaled_dot_product_flash_attention_for_cpu"):
+        losses, seconds = run(compiled, inputs, ids)
+    in_core, _ = run(torch.compile(reference, backend="aot_eager"), inputs, ids)
+    print(f"GPT-2 (2 layers, n_embd 64): first compiled step {seconds[0]:.2f} s")
+    assert losses == in_core
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+    stats = plan.stats()
+    assert (stats["unmatched_ops"], stats["offload_refused"]) == (3, 3)   # 3 layer norms
+    offloaded = {k for k, v in plan.decisions.items() if v == "offload"}
+    got = graphs_of.offloaded_keys(graphs["forward"])
+    assert len(got) == len(set(got)) == 7 and set(got) <= offloaded
+    assert sorted(p.name for p in graphs_of.device_puts(graphs["backward"])) == sorted(
+        p.name.replace("cpu_offload_", "gpu_reload_") for p in graphs_of.device_puts(graphs["forward"]))
+
+
+def test_gpt2_policy_leaves_the_model_untouched():
+    """Recording trains a FakeTensor copy: the model's weights and their storage stay."""
+    model = gpt2()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    inputs, ids = batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")              # nothing to say for this model
+        vtorch.policy(model, (inputs, ids), loss_fn=loss_fn, budget="1GiB", link_gbps=12)
+    for n, p in model.named_parameters():
+        assert p.device.type == "cpu" and type(p) is torch.nn.Parameter
+        assert torch.equal(p, before[n]) and p.grad is None
+    assert model.lm_head.weight is model.transformer.wte.weight      # still tied
