@@ -75,7 +75,8 @@ def test_plan_decisions_at_6_gbps(trained):
     # two GELUs (memory-bound: cheaper than two copies over 6 GB/s) and offloads the rest.
     assert plan.stats() == {"save": 5, "recompute": 2, "offload": 2,
                             "persistent_swaps_ignored": 20, "unmatched_ops": 0,
-                            "recompute_refused": 0, "offload_refused": 0}
+                            "recompute_refused": 0, "offload_refused": 0,
+                            "offloads_run_eagerly": 0}
     assert plan.plan.feasible and plan.plan.params["recompute"] == "memory"
     assert len(plan.decisions) == 2 * DEPTH + 1     # DEPTH GELUs, DEPTH + 1 addmm
 
@@ -103,6 +104,32 @@ def test_losses_and_weights_bit_identical_to_in_core_compile(trained):
     assert losses == in_core
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p, q)
+
+
+class Breaks(torch.nn.Module):
+    """The test MLP with a graph break in its forward (as transformers' logger calls are)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = mlp()
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return self.mlp(x)
+
+
+def test_a_region_run_eagerly_is_said_once_and_counted():
+    """A graph break inside the region makes torch.compile run it eagerly, where selective
+    checkpointing recomputes what the plan offloads. Before: nothing said, nothing counted
+    (seen with Hugging Face GPT-2 given labels)."""
+    x, y = data()
+    model = Breaks()
+    plan = vtorch.policy(model, (x, y), loss_fn=LOSS, budget=budget_of(model.mlp), link_gbps=6)
+    assert plan.stats()["offload"] == 2
+    with pytest.warns(UserWarning, match="the checkpointed region runs eagerly") as said:
+        train(vtorch.compile_out_of_core(model, plan, backend="aot_eager"), x, y)
+    assert len([w for w in said if "runs eagerly" in str(w.message)]) == 1
+    assert plan.stats()["offloads_run_eagerly"] == 2
 
 
 def test_link_speed_changes_the_plan():
@@ -134,7 +161,9 @@ def test_unmatched_ops_are_said_once_and_saved():
     plan = vtorch.policy(mlp(), (x, y), loss_fn=LOSS, budget=budget_of(mlp()), link_gbps=12)
     other = mlp(DEPTH + 2)           # two more layers than the plan was made for
     from torch.utils.checkpoint import checkpoint
-    with pytest.warns(UserWarning, match="not in the recorded forward") as said:
+    # eager checkpointing (said too: it recomputes the planned offloads)
+    with pytest.warns(UserWarning, match="runs eagerly"), \
+            pytest.warns(UserWarning, match="not in the recorded forward") as said:
         out = checkpoint(other, x, use_reentrant=False, context_fn=plan.context_fn)
         LOSS(out, y).backward()
     assert len([w for w in said if "recorded forward" in str(w.message)]) == 1

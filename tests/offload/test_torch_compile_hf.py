@@ -95,6 +95,7 @@ def test_gpt2_with_a_mask_compiles_with_the_plans_offloads():
         assert torch.equal(p, q)
     stats = plan.stats()
     assert (stats["unmatched_ops"], stats["offload_refused"]) == (3, 3)   # 3 layer norms
+    assert stats["offloads_run_eagerly"] == 0            # one graph: no break in the region
     offloaded = {k for k, v in plan.decisions.items() if v == "offload"}
     got = graphs_of.offloaded_keys(graphs["forward"])
     assert len(got) == len(set(got)) == 7 and set(got) <= offloaded

@@ -117,7 +117,8 @@ class CompilePolicy:
         self._counts = dict(counts)
         # Keys, not calls: dynamo and AOTAutograd each trace the region (and eager runs it
         # again to recompute), so one op meets the policy more than once.
-        self._refused = {"unmatched": set(), "recompute": set(), "offload": set()}
+        self._refused = {"unmatched": set(), "recompute": set(), "offload": set(),
+                         "eager": set()}
         self._said = set()
         #: False when the plan could not be mapped (already said): nothing is unmatched then.
         self.mapped = bool(decisions)
@@ -146,6 +147,8 @@ class CompilePolicy:
             if not aten_ops.is_function(func):
                 return P.PREFER_RECOMPUTE
             what = self.decisions.get((name, index))
+            if what == OFFLOAD and self.mapped and _eager(args):
+                self._eager((name, index))
             if what is None:
                 if self.mapped:
                     self._unmatched(name, index)
@@ -170,6 +173,12 @@ class CompilePolicy:
                   "not in the recorded forward: saved (MUST_SAVE); the region differs from the "
                   "model and example the policy was made for, so the plan is not followed")
 
+    def _eager(self, key):
+        self._refused["eager"].add(key)
+        self._say("eager", "the checkpointed region runs eagerly (torch.compile broke its graph "
+                  "inside it, TORCH_LOGS=graph_breaks says where, or it is not compiled): eager "
+                  "selective checkpointing recomputes what the plan offloads")
+
     def _say(self, what, message):
         if what not in self._said:
             self._said.add(what)
@@ -181,17 +190,29 @@ class CompilePolicy:
         (ops met that had none), ``recompute_refused`` (planned recomputes of ops that
         would not give the same bits: saved), ``offload_refused`` (planned offloads of ops
         with several outputs, which AOTAutograd cannot offload: saved),
+        ``offloads_run_eagerly`` (planned offloads met in a region that runs eagerly, where
+        selective checkpointing recomputes them: a graph break inside the region, said once),
         ``persistent_swaps_ignored`` (the plan's swaps of parameters and optimizer state)."""
         out = dict(self._counts)
         out.update(unmatched_ops=len(self._refused["unmatched"]),
                    recompute_refused=len(self._refused["recompute"]),
-                   offload_refused=len(self._refused["offload"]))
+                   offload_refused=len(self._refused["offload"]),
+                   offloads_run_eagerly=len(self._refused["eager"]))
         return out
 
     def __repr__(self):
         c = self.stats()
         return (f"CompilePolicy(budget={self.budget}, link_gbps={self.link_gbps:g}, "
                 f"offload={c[OFFLOAD]}, recompute={c[RECOMPUTE]}, save={c[SAVE]})")
+
+
+def _eager(args):
+    """Whether the policy is asked with real tensors: the region runs eagerly (compiling, it
+    is asked while AOTAutograd traces FakeTensors)."""
+    from torch._subclasses.fake_tensor import is_fake
+    torch = _torch()
+    t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return t is not None and not is_fake(t)
 
 
 def _decide(seq, sched, keys):
