@@ -1,10 +1,10 @@
-"""Compiled training with vmalloc's plan for a Hugging Face model: a tiny GPT-2 built from
-``transformers.GPT2Config`` (no download) with an attention mask, whose mask code branches on
-the mask's values. vmalloc.torch.policy records it on FakeTensors (the mask code takes its
-tracing path, as under torch.compile); before, it recorded on plain meta tensors and refused
-the model (InvalidArgumentError: meta tensors have no values). The compiled graphs hold the
-plan's offloads; losses and weights are bit-identical to compiled in-core training (offload on
-CPU is a CPU-to-CPU copy)."""
+"""Compiled training with vmalloc's plan for Hugging Face models: a tiny GPT-2 and a tiny BERT
+built from their configs (no download), given an attention mask, whose mask code branches on
+the mask's values (``attention_mask.all()``). vmalloc.torch.policy records them on FakeTensors
+(the mask code takes its tracing path, as under torch.compile); before, it recorded on plain
+meta tensors and refused both (InvalidArgumentError: meta tensors have no values). The
+compiled graphs hold the plan's offloads; losses and weights are bit-identical to compiled
+in-core training (offload on CPU is a CPU-to-CPU copy)"""
 
 import importlib.util
 import pathlib
@@ -45,17 +45,28 @@ def gpt2():
     return transformers.GPT2LMHeadModel(config)
 
 
+def bert():
+    torch.manual_seed(0)
+    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                     intermediate_size=128, vocab_size=VOCAB,
+                                     max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
+    return transformers.BertForMaskedLM(config)
+
+
 def loss_fn(out, ids):
-    """Next-token cross entropy, outside the model: passing ``labels`` runs transformers'
-    loss, whose logger call breaks torch.compile's graph inside the region."""
-    return torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1),
-                                             ids[:, 1:].flatten())
+    """Cross entropy against the inputs, outside the model: passing ``labels`` runs
+    transformers' loss, whose logger call breaks torch.compile's graph inside the region."""
+    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), ids.flatten())
 
 
-def batch():
+def batch(padded=False):
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, ids
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, -3:] = 0            # the first sequence is 3 tokens shorter
+    return {"input_ids": ids, "attention_mask": mask}, ids
 
 
 def run(model, inputs, ids, steps=2):
@@ -72,33 +83,41 @@ def run(model, inputs, ids, steps=2):
     return losses, seconds
 
 
-def test_gpt2_with_a_mask_compiles_with_the_plans_offloads():
-    model, reference = gpt2(), gpt2()
-    inputs, ids = batch()
+# (model, padded mask, (save, recompute, offload) planned, unmatched, offload refused: the
+# layer norms, offloads in the forward graph)
+MODELS = {"gpt2": (gpt2, False, (59, 0, 18), 3, 3, 7),
+          "bert": (bert, True, (59, 0, 12), 2, 2, 6)}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_masked_model_compiles_with_the_plans_offloads(name):
+    build, padded, planned, unmatched, refused, puts = MODELS[name]
+    model, reference = build(), build()
+    inputs, ids = batch(padded)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     # weights, gradients and momentum, and no room left for activations: the plan offloads
     plan = vtorch.policy(model, (inputs, ids), loss_fn=loss_fn, budget=3 * params,
                          link_gbps=12)
     assert plan.plan.feasible and plan.mapped
     stats = plan.stats()
-    assert (stats["save"], stats["recompute"], stats["offload"]) == (59, 0, 18)
+    assert (stats["save"], stats["recompute"], stats["offload"]) == planned
     graphs = {}
     compiled = vtorch.compile_out_of_core(model, plan, backend=capturing(graphs))
     # Recorded on meta, attention is the math path; on CPU it is one flash-attention op per
-    # layer, which has no decision (said once, saved), as the attention's clone of the mask.
+    # layer, which has no decision (said once, saved); GPT-2's third is a clone of its mask.
     with pytest.warns(UserWarning, match="_scaled_dot_product_flash_attention_for_cpu"):
         losses, seconds = run(compiled, inputs, ids)
     in_core, _ = run(torch.compile(reference, backend="aot_eager"), inputs, ids)
-    print(f"GPT-2 (2 layers, n_embd 64): first compiled step {seconds[0]:.2f} s")
+    print(f"{name} (2 layers, width 64): first compiled step {seconds[0]:.2f} s")
     assert losses == in_core
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p, q)
     stats = plan.stats()
-    assert (stats["unmatched_ops"], stats["offload_refused"]) == (3, 3)   # 3 layer norms
+    assert (stats["unmatched_ops"], stats["offload_refused"]) == (unmatched, refused)
     assert stats["offloads_run_eagerly"] == 0            # one graph: no break in the region
     offloaded = {k for k, v in plan.decisions.items() if v == "offload"}
     got = graphs_of.offloaded_keys(graphs["forward"])
-    assert len(got) == len(set(got)) == 7 and set(got) <= offloaded
+    assert len(got) == len(set(got)) == puts and set(got) <= offloaded
     assert sorted(p.name for p in graphs_of.device_puts(graphs["backward"])) == sorted(
         p.name.replace("cpu_offload_", "gpu_reload_") for p in graphs_of.device_puts(graphs["forward"]))
 
@@ -115,3 +134,18 @@ def test_gpt2_policy_leaves_the_model_untouched():
         assert p.device.type == "cpu" and type(p) is torch.nn.Parameter
         assert torch.equal(p, before[n]) and p.grad is None
     assert model.lm_head.weight is model.transformer.wte.weight      # still tied
+
+
+def test_keyword_and_positional_examples_plan_alike():
+    """``(kwargs, target)`` reaches the model as keywords, through a wrapper that runs no op:
+    the same plan as the positional call ``model(input_ids, None, attention_mask)``. The
+    positional call is the one refused before (on meta: Tensor.item() in the mask code)."""
+    model = gpt2()
+    inputs, ids = batch()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    by_position = vtorch.policy(model, ((ids, None, inputs["attention_mask"]), ids),
+                                loss_fn=loss_fn, budget=3 * params, link_gbps=12)
+    by_name = vtorch.policy(model, (inputs, ids), loss_fn=loss_fn, budget=3 * params,
+                            link_gbps=12)
+    assert by_position.mapped and by_position.decisions == by_name.decisions
+    assert len(by_name.decisions) == 77
