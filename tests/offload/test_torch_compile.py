@@ -132,6 +132,22 @@ def test_a_region_run_eagerly_is_said_once_and_counted():
     assert plan.stats()["offloads_run_eagerly"] == 2
 
 
+def test_a_second_plan_is_compiled_not_the_first_reused():
+    """Two plans compiled in one process with one backend: the second's graphs follow the
+    second. Before: torch.compile's cache (keyed on the region's code, guarded on nothing of
+    the plan) ran the first plan's graphs, the second never asked (seen with GPT-2)."""
+    x, y = data()
+    graphs, puts = {}, []
+    backend = capturing(graphs)
+    for budget in (budget_of(mlp()), "8GiB", budget_of(mlp())):
+        model = mlp()
+        plan = vtorch.policy(model, (x, y), loss_fn=LOSS, budget=budget, link_gbps=6)
+        graphs.clear()
+        LOSS(vtorch.compile_out_of_core(model, plan, backend=backend)(x), y).backward()
+        puts.append(len(device_puts(graphs["forward"])) if "forward" in graphs else None)
+    assert puts == [2, 0, 2]
+
+
 def test_link_speed_changes_the_plan():
     x, y = data()
     model = mlp()

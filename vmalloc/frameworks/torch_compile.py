@@ -51,6 +51,7 @@ swaps of parameters and optimizer state (``stats()["persistent_swaps_ignored"]``
 from __future__ import annotations
 
 import functools
+import itertools
 from collections import Counter
 
 from vmalloc.errors import InvalidArgumentError
@@ -64,6 +65,7 @@ __all__ = ["CompilePolicy", "compile_out_of_core", "measured_link_gbps", "offloa
 CPU_LINK_GBPS = 12.0
 
 SAVE, RECOMPUTE, OFFLOAD = "save", "recompute", "offload"
+_SERIALS = itertools.count()
 
 
 def _torch():
@@ -106,11 +108,13 @@ class CompilePolicy:
     (uncompiled) checkpointing saves only ``*_SAVE`` ops: there the offloads are recomputed.
     Attributes: ``decisions`` ({(op name, occurrence): "save" |
     "recompute" | "offload"}), ``plan`` (the :class:`vmalloc.offload.Plan`), ``sequence`` (the
-    recorded :class:`~vmalloc.offload.FunctionSequence`), ``budget``, ``link_gbps``."""
+    recorded :class:`~vmalloc.offload.FunctionSequence`), ``budget``, ``link_gbps``,
+    ``serial`` (unique in the process: the compiled region's guard, one graph per plan)."""
 
     def __init__(self, decisions, plan, sequence, budget, link_gbps, counts):
         self.decisions = decisions
         self.plan = plan
+        self.serial = next(_SERIALS)
         self.sequence = sequence
         self.budget = budget
         self.link_gbps = link_gbps
@@ -364,6 +368,10 @@ def _region_class():
 
         def forward(self, *args, **kwargs):
             from torch.utils.checkpoint import checkpoint
+            # A branch on the plan's serial: dynamo guards it, so another plan recompiles
+            # (its cache is keyed on this code, and it guards nothing of context_fn).
+            if self.plan.serial < 0:
+                raise AssertionError("a plan's serial is never negative")
             return checkpoint(self.model, *args, use_reentrant=False,
                               context_fn=self.plan.context_fn, **kwargs)
 
