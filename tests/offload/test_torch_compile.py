@@ -281,6 +281,29 @@ def test_a_forward_that_reads_a_value_is_refused_by_name(masked, what):
                                                    else "DataDependentOutputException")
 
 
+_LIBRARY = torch.library.Library("vmalloc_test_compile", "DEF")
+_LIBRARY.define("twice(Tensor x) -> Tensor")
+_LIBRARY.impl("twice", lambda x: x * 2, "CPU")          # no fake (meta) kernel
+
+
+class CustomOp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(WIDTH, 10)
+
+    def forward(self, x):
+        return self.lin(torch.ops.vmalloc_test_compile.twice(x))
+
+
+def test_an_op_without_a_fake_kernel_is_refused_by_name():
+    """Before: refused as a forward that reads a value (the meta error said "Meta backend")."""
+    x, y = data()
+    with pytest.raises(InvalidArgumentError, match="runs an op they cannot run .*"
+                       "vmalloc_test_compile.twice.*torch.library.register_fake") as info:
+        vtorch.policy(CustomOp(), (x, y), loss_fn=LOSS, budget="1GiB")
+    assert type(info.value.__cause__).__name__ == "UnsupportedOperatorException"
+
+
 def test_offload_mark_keeps_the_configured_joint_pass():
     from torch.utils.checkpoint import CheckpointPolicy as P
     gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Tanh()))

@@ -36,13 +36,14 @@ capturing = _load("_torch_compile_example",
 BATCH, SEQ, VOCAB = 8, 16, 100
 
 
-def gpt2():
+def gpt2(dropout=0.0):
     torch.manual_seed(0)
     # Dropout off so that every op of the region has its decision: recorded, dropout is its
     # eager decomposition (bernoulli_, mul); compiled, aten.native_dropout (unmatched: saved).
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB,
                                      n_positions=SEQ, bos_token_id=0, eos_token_id=0,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                     resid_pdrop=dropout, embd_pdrop=dropout,
+                                     attn_pdrop=dropout)
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -150,3 +151,22 @@ def test_keyword_and_positional_examples_plan_alike():
                             link_gbps=12)
     assert by_position.mapped and by_position.decisions == by_name.decisions
     assert len(by_name.decisions) == 77
+
+
+def test_a_model_in_eval_mode_is_planned_as_it_trains():
+    """from_pretrained returns a model in eval mode. The iteration is recorded in train mode
+    (dropout runs); the forward's keys were taken in the model's own mode, so with dropout the
+    two differed and nothing was mapped (said, all saved). Now both are in train mode, and
+    the model keeps its mode."""
+    model = gpt2(dropout=0.1).eval()
+    inputs, ids = batch()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")              # "nothing is mapped" is not said
+        in_eval = vtorch.policy(model, (inputs, ids), loss_fn=loss_fn, budget=3 * params,
+                                link_gbps=12)
+    assert not model.training and in_eval.mapped
+    in_train = vtorch.policy(model.train(), (inputs, ids), loss_fn=loss_fn,
+                             budget=3 * params, link_gbps=12)
+    assert in_eval.decisions == in_train.decisions
+    assert ("aten.bernoulli_.float", 0) in in_eval.decisions     # dropout's, recorded

@@ -76,7 +76,7 @@ def _keywords_class():
 
 def split_example(model, example):
     """-> (model to record, example as the recorder takes it, the forward's positional args).
-    ``(dict, target)`` becomes keyword arguments through a :class:`Keywords` wrapper."""
+    ``(dict, target)`` becomes keyword arguments through a ``Keywords`` wrapper."""
     from vmalloc.offload.sequence.recorder import _split_inputs
     if isinstance(example, tuple) and len(example) == 2 and isinstance(example[0], dict):
         kwargs, target = example
@@ -92,7 +92,7 @@ def split_example(model, example):
 def forward_keys(model, args):
     """(op name, occurrence) of each function the recorder records in ``model(*args)``'s
     forward, in order: the recorder's mode outside, a counting mode inside it. ``model`` is on
-    the (fake) meta device already."""
+    the (fake) meta device already, a copy: it is put in train mode."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import flop_registry
@@ -108,6 +108,9 @@ def forward_keys(model, args):
                 keys.append((name, seen[name] - 1))
             return out
     args = _to_device(args, torch.device("meta"))
+    # In train mode, as the recorder runs its copy (a model from from_pretrained is in eval
+    # mode: its dropouts would not run here and the keys would not match the recording).
+    model.train()
     with _make_mode(trace, "meta", flop_registry), Count():
         model(*args)
     return keys
@@ -138,13 +141,18 @@ def refusal(error):
     """The :class:`~vmalloc.errors.InvalidArgumentError` for ``error`` when it is a recorded
     model reading a tensor's value (naming the cause and the way out), else None."""
     from torch._subclasses.fake_tensor import (DataDependentOutputException,
-                                               DynamicOutputShapeException)
+                                               DynamicOutputShapeException,
+                                               UnsupportedOperatorException)
+    if isinstance(error, UnsupportedOperatorException):
+        return InvalidArgumentError(
+            "vmalloc.torch.policy records one training iteration on FakeTensors of the meta "
+            f"device (as torch.compile traces), and the model's forward runs an op they cannot "
+            f"run (no fake or meta kernel): {error}. Register one (torch.library.register_fake) "
+            "or train the model eagerly with vmalloc.torch.out_of_core")
     if isinstance(error, DataDependentOutputException):
         what = "reads a tensor's value (Tensor.item(), bool() or a data-dependent branch)"
     elif isinstance(error, DynamicOutputShapeException):
         what = "makes a tensor whose shape depends on values (nonzero, a boolean mask)"
-    elif isinstance(error, RuntimeError) and "meta" in str(error):
-        what = "reads a tensor's value or runs an op the meta device lacks"
     else:
         return None
     return InvalidArgumentError(
