@@ -25,16 +25,23 @@ from vmalloc.offload.scheduling.schedule import ScheduleError  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _example_module():
-    # the model, its budget and the training loop are the example's (examples are no package)
-    path = ROOT / "examples" / "torch_compile_out_of_core.py"
-    spec = importlib.util.spec_from_file_location("_torch_compile_example", path)
+def _load(name, path):
+    # examples and test helpers are no package (pytest's importlib mode: not on sys.path)
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
+def _example_module():
+    # the model, its budget and the training loop are the example's
+    return _load("_torch_compile_example", ROOT / "examples" / "torch_compile_out_of_core.py")
+
+
 example = _example_module()
+graphs_of = _load("_compile_graphs", ROOT / "tests" / "offload" / "_compile_graphs.py")
+device_puts, offloaded_keys, region_keys = \
+    graphs_of.device_puts, graphs_of.offloaded_keys, graphs_of.region_keys
 BATCH, WIDTH, DEPTH = example.BATCH, example.WIDTH, example.DEPTH
 LOSS = torch.nn.functional.cross_entropy
 mlp, budget_of, capturing = example.mlp, example.budget_of, example.capturing
@@ -47,32 +54,6 @@ def data():
 
 def train(model, x, y):
     return example.train(model, x, y, LOSS)
-
-
-def region_keys(graph):
-    """{node: (op name, occurrence)} for the forward graph's op nodes: the policy's keys (the
-    forward graph runs the region's ops in order; node names are no key: their counters are
-    shared across the graphs a process compiles)."""
-    seen, keys = {}, {}
-    for n in graph.graph.nodes:
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) \
-                and n.target is not torch.ops.prims.device_put.default:
-            name = str(n.target)
-            keys[n] = (name, seen.get(name, 0))
-            seen[name] = seen.get(name, 0) + 1
-    return keys
-
-
-def device_puts(graph):
-    return [n for n in graph.graph.nodes if n.target is torch.ops.prims.device_put.default]
-
-
-def offloaded_keys(forward):
-    """The keys of the activations the forward graph offloads."""
-    keys = region_keys(forward)
-    puts = device_puts(forward)
-    assert all(p.name.startswith("cpu_offload_") for p in puts)
-    return [keys[p.args[0]] for p in puts]
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +75,8 @@ def test_plan_decisions_at_6_gbps(trained):
     # two GELUs (memory-bound: cheaper than two copies over 6 GB/s) and offloads the rest.
     assert plan.stats() == {"save": 5, "recompute": 2, "offload": 2,
                             "persistent_swaps_ignored": 20, "unmatched_ops": 0,
-                            "recompute_refused": 0, "offload_refused": 0}
+                            "recompute_refused": 0, "offload_refused": 0,
+                            "offloads_run_eagerly": 0}
     assert plan.plan.feasible and plan.plan.params["recompute"] == "memory"
     assert len(plan.decisions) == 2 * DEPTH + 1     # DEPTH GELUs, DEPTH + 1 addmm
 
@@ -122,6 +104,48 @@ def test_losses_and_weights_bit_identical_to_in_core_compile(trained):
     assert losses == in_core
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p, q)
+
+
+class Breaks(torch.nn.Module):
+    """The test MLP with a graph break in its forward (as transformers' logger calls are)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = mlp()
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return self.mlp(x)
+
+
+def test_a_region_run_eagerly_is_said_once_and_counted():
+    """A graph break inside the region makes torch.compile run it eagerly, where selective
+    checkpointing recomputes what the plan offloads. Before: nothing said, nothing counted
+    (seen with Hugging Face GPT-2 given labels)."""
+    x, y = data()
+    model = Breaks()
+    plan = vtorch.policy(model, (x, y), loss_fn=LOSS, budget=budget_of(model.mlp), link_gbps=6)
+    assert plan.stats()["offload"] == 2
+    with pytest.warns(UserWarning, match="the checkpointed region runs eagerly") as said:
+        train(vtorch.compile_out_of_core(model, plan, backend="aot_eager"), x, y)
+    assert len([w for w in said if "runs eagerly" in str(w.message)]) == 1
+    assert plan.stats()["offloads_run_eagerly"] == 2
+
+
+def test_a_second_plan_is_compiled_not_the_first_reused():
+    """Two plans compiled in one process with one backend: the second's graphs follow the
+    second. Before: torch.compile's cache (keyed on the region's code, guarded on nothing of
+    the plan) ran the first plan's graphs, the second never asked (seen with GPT-2)."""
+    x, y = data()
+    graphs, puts = {}, []
+    backend = capturing(graphs)
+    for budget in (budget_of(mlp()), "8GiB", budget_of(mlp())):
+        model = mlp()
+        plan = vtorch.policy(model, (x, y), loss_fn=LOSS, budget=budget, link_gbps=6)
+        graphs.clear()
+        LOSS(vtorch.compile_out_of_core(model, plan, backend=backend)(x), y).backward()
+        puts.append(len(device_puts(graphs["forward"])) if "forward" in graphs else None)
+    assert puts == [2, 0, 2]
 
 
 def test_link_speed_changes_the_plan():
@@ -153,7 +177,9 @@ def test_unmatched_ops_are_said_once_and_saved():
     plan = vtorch.policy(mlp(), (x, y), loss_fn=LOSS, budget=budget_of(mlp()), link_gbps=12)
     other = mlp(DEPTH + 2)           # two more layers than the plan was made for
     from torch.utils.checkpoint import checkpoint
-    with pytest.warns(UserWarning, match="not in the recorded forward") as said:
+    # eager checkpointing (said too: it recomputes the planned offloads)
+    with pytest.warns(UserWarning, match="runs eagerly"), \
+            pytest.warns(UserWarning, match="not in the recorded forward") as said:
         out = checkpoint(other, x, use_reentrant=False, context_fn=plan.context_fn)
         LOSS(out, y).backward()
     assert len([w for w in said if "recorded forward" in str(w.message)]) == 1
@@ -221,28 +247,61 @@ def test_not_a_module_refused():
 
 
 class ReadsAValue(torch.nn.Module):
-    """A forward with a data-dependent branch, as Hugging Face GPT-2's mask check has."""
+    """A forward with a data-dependent branch that never asks whether it is traced (Hugging
+    Face's mask code asks, and is recorded: test_torch_compile_hf.py)."""
 
-    def __init__(self):
+    def __init__(self, masked=False):
         super().__init__()
         self.lin = torch.nn.Linear(WIDTH, 10)
+        self.masked = masked
 
     def forward(self, x):
+        if self.masked:
+            return self.lin(x)[x[:, :10] > 0]         # a shape that depends on values
         if (x[:, -1] == 0).all():
             x = x + 1
         return self.lin(x)
 
 
-def test_a_forward_that_reads_a_value_is_refused_by_name():
-    """Before: the meta device's own RuntimeError ("Tensor.item() cannot be called on meta
-    tensors"), which never said that policy() records on meta or what to do (seen on an H200
-    with Hugging Face GPT-2)."""
+@pytest.mark.parametrize("masked, what", [
+    (False, "reads a tensor's value"),
+    (True, "makes a tensor whose shape depends on values")])
+def test_a_forward_that_reads_a_value_is_refused_by_name(masked, what):
+    """Recorded on FakeTensors, as torch.compile traces: such a forward has no value to read
+    there either (and torch.compile would break its graph inside the region). Before the
+    FakeTensor recording: refused on meta, with Hugging Face GPT-2 among the refused."""
     x, y = data()
-    with pytest.raises(InvalidArgumentError, match="records one training iteration on the meta "
-                       "device.*reads a tensor's value") as info:
-        vtorch.policy(ReadsAValue(), (x, y), loss_fn=LOSS, budget="1GiB")
+    loss = (lambda out, y: out.sum()) if masked else LOSS
+    with pytest.raises(InvalidArgumentError, match="records one training iteration on "
+                       f"FakeTensors of the meta device.*{what}.*vmalloc.torch.out_of_core") \
+            as info:
+        vtorch.policy(ReadsAValue(masked), (x, y), loss_fn=loss, budget="1GiB")
     assert isinstance(info.value.__cause__, RuntimeError)
-    assert "meta" in str(info.value.__cause__)
+    assert type(info.value.__cause__).__name__ == ("DynamicOutputShapeException" if masked
+                                                   else "DataDependentOutputException")
+
+
+_LIBRARY = torch.library.Library("vmalloc_test_compile", "DEF")
+_LIBRARY.define("twice(Tensor x) -> Tensor")
+_LIBRARY.impl("twice", lambda x: x * 2, "CPU")          # no fake (meta) kernel
+
+
+class CustomOp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(WIDTH, 10)
+
+    def forward(self, x):
+        return self.lin(torch.ops.vmalloc_test_compile.twice(x))
+
+
+def test_an_op_without_a_fake_kernel_is_refused_by_name():
+    """Before: refused as a forward that reads a value (the meta error said "Meta backend")."""
+    x, y = data()
+    with pytest.raises(InvalidArgumentError, match="runs an op they cannot run .*"
+                       "vmalloc_test_compile.twice.*torch.library.register_fake") as info:
+        vtorch.policy(CustomOp(), (x, y), loss_fn=LOSS, budget="1GiB")
+    assert type(info.value.__cause__).__name__ == "UnsupportedOperatorException"
 
 
 def test_offload_mark_keeps_the_configured_joint_pass():

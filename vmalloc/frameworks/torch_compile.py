@@ -5,9 +5,12 @@
 ``MUST_CPU_OFFLOAD``) and AOTAutograd lowers offloads into the graphs; it does not decide which.
 :func:`policy` decides with vmalloc's planner, under a byte budget and a link speed:
 
-1. **Record.** One training iteration (forward, loss, backward, optimizer step) is recorded on
-   the meta device by :func:`vmalloc.offload.record` (the out-of-core runtime's rules for what
-   an op reads and writes), so recording needs no memory at all.
+1. **Record.** One training iteration (forward, loss, backward, optimizer step) is recorded by
+   :func:`vmalloc.offload.record` (the out-of-core runtime's rules for what an op reads and
+   writes) on a copy of the model made of FakeTensors on the meta device, so recording needs
+   no memory at all, and a model that branches on whether it is traced takes the branch
+   ``torch.compile`` takes (Hugging Face's mask code): see
+   :mod:`vmalloc.frameworks.torch_compile_record`, which also says why not a real-device copy.
 2. **Plan.** :func:`vmalloc.offload.plan` searches the window scheduler with recompute as a
    choice (:mod:`vmalloc.offload.scheduling.recompute`) at the given budget, simulating a GPU
    whose link runs at ``link_gbps``.
@@ -47,8 +50,8 @@ swaps of parameters and optimizer state (``stats()["persistent_swaps_ignored"]``
 
 from __future__ import annotations
 
-import copy
 import functools
+import itertools
 from collections import Counter
 
 from vmalloc.errors import InvalidArgumentError
@@ -62,6 +65,7 @@ __all__ = ["CompilePolicy", "compile_out_of_core", "measured_link_gbps", "offloa
 CPU_LINK_GBPS = 12.0
 
 SAVE, RECOMPUTE, OFFLOAD = "save", "recompute", "offload"
+_SERIALS = itertools.count()
 
 
 def _torch():
@@ -97,30 +101,6 @@ def measured_link_gbps(nbytes=64 << 20, repeats=3):
     return min(best)
 
 
-def _forward_keys(model, args):
-    """(op name, occurrence) of each function the recorder records in ``model(*args)``'s
-    forward, in order: the recorder's mode outside, a counting mode inside it."""
-    torch = _torch()
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils.flop_counter import flop_registry
-    from vmalloc.offload.sequence.recorder import _make_mode, _to_device, _Trace
-    trace, keys, seen = _Trace(), [], Counter()
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name, before = str(func), len(trace.ops)
-            seen[name] += 1
-            out = func(*args, **(kwargs or {}))
-            if len(trace.ops) > before:
-                keys.append((name, seen[name] - 1))
-            return out
-    meta = copy.deepcopy(model).to("meta")
-    args = _to_device(args, torch.device("meta"))
-    with _make_mode(trace, "meta", flop_registry), Count():
-        meta(*args)
-    return keys
-
-
 class CompilePolicy:
     """vmalloc's plan as a selective-checkpoint ``context_fn``: pass ``plan.context_fn`` as
     ``checkpoint(..., use_reentrant=False, context_fn=plan.context_fn)`` (a plain function,
@@ -128,18 +108,21 @@ class CompilePolicy:
     (uncompiled) checkpointing saves only ``*_SAVE`` ops: there the offloads are recomputed.
     Attributes: ``decisions`` ({(op name, occurrence): "save" |
     "recompute" | "offload"}), ``plan`` (the :class:`vmalloc.offload.Plan`), ``sequence`` (the
-    recorded :class:`~vmalloc.offload.FunctionSequence`), ``budget``, ``link_gbps``."""
+    recorded :class:`~vmalloc.offload.FunctionSequence`), ``budget``, ``link_gbps``,
+    ``serial`` (unique in the process: the compiled region's guard, one graph per plan)."""
 
     def __init__(self, decisions, plan, sequence, budget, link_gbps, counts):
         self.decisions = decisions
         self.plan = plan
+        self.serial = next(_SERIALS)
         self.sequence = sequence
         self.budget = budget
         self.link_gbps = link_gbps
         self._counts = dict(counts)
         # Keys, not calls: dynamo and AOTAutograd each trace the region (and eager runs it
         # again to recompute), so one op meets the policy more than once.
-        self._refused = {"unmatched": set(), "recompute": set(), "offload": set()}
+        self._refused = {"unmatched": set(), "recompute": set(), "offload": set(),
+                         "eager": set()}
         self._said = set()
         #: False when the plan could not be mapped (already said): nothing is unmatched then.
         self.mapped = bool(decisions)
@@ -168,6 +151,8 @@ class CompilePolicy:
             if not aten_ops.is_function(func):
                 return P.PREFER_RECOMPUTE
             what = self.decisions.get((name, index))
+            if what == OFFLOAD and self.mapped and _eager(args):
+                self._eager((name, index))
             if what is None:
                 if self.mapped:
                     self._unmatched(name, index)
@@ -192,6 +177,12 @@ class CompilePolicy:
                   "not in the recorded forward: saved (MUST_SAVE); the region differs from the "
                   "model and example the policy was made for, so the plan is not followed")
 
+    def _eager(self, key):
+        self._refused["eager"].add(key)
+        self._say("eager", "the checkpointed region runs eagerly (torch.compile broke its graph "
+                  "inside it, TORCH_LOGS=graph_breaks says where, or it is not compiled): eager "
+                  "selective checkpointing recomputes what the plan offloads")
+
     def _say(self, what, message):
         if what not in self._said:
             self._said.add(what)
@@ -203,17 +194,29 @@ class CompilePolicy:
         (ops met that had none), ``recompute_refused`` (planned recomputes of ops that
         would not give the same bits: saved), ``offload_refused`` (planned offloads of ops
         with several outputs, which AOTAutograd cannot offload: saved),
+        ``offloads_run_eagerly`` (planned offloads met in a region that runs eagerly, where
+        selective checkpointing recomputes them: a graph break inside the region, said once),
         ``persistent_swaps_ignored`` (the plan's swaps of parameters and optimizer state)."""
         out = dict(self._counts)
         out.update(unmatched_ops=len(self._refused["unmatched"]),
                    recompute_refused=len(self._refused["recompute"]),
-                   offload_refused=len(self._refused["offload"]))
+                   offload_refused=len(self._refused["offload"]),
+                   offloads_run_eagerly=len(self._refused["eager"]))
         return out
 
     def __repr__(self):
         c = self.stats()
         return (f"CompilePolicy(budget={self.budget}, link_gbps={self.link_gbps:g}, "
                 f"offload={c[OFFLOAD]}, recompute={c[RECOMPUTE]}, save={c[SAVE]})")
+
+
+def _eager(args):
+    """Whether the policy is asked with real tensors: the region runs eagerly (compiling, it
+    is asked while AOTAutograd traces FakeTensors)."""
+    from torch._subclasses.fake_tensor import is_fake
+    torch = _torch()
+    t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return t is not None and not is_fake(t)
 
 
 def _decide(seq, sched, keys):
@@ -246,7 +249,9 @@ def policy(model, example, loss_fn=None, budget=None, link_gbps=None, optimizer=
     Args:
         model: the ``torch.nn.Module`` whose forward will be the checkpointed region.
         example: a batch as :func:`vmalloc.offload.record` takes it: a tensor, or ``(args,
-            target)``; ``loss_fn(output, target)`` (None: ``output.sum()``).
+            target)``; or ``(kwargs, target)`` with a dict of keyword arguments (``model(
+            **kwargs)``, e.g. ``input_ids`` and ``attention_mask``); ``loss_fn(output, target)``
+            (None: ``output.sum()``, or ``output[0].sum()`` for a tuple).
         budget: device bytes (int or ``"12GiB"``) the iteration may hold at once: parameters,
             gradients, optimizer state and activations, as the planner counts them.
         link_gbps: host link speed in GB/s; None: measured on CUDA
@@ -256,11 +261,17 @@ def policy(model, example, loss_fn=None, budget=None, link_gbps=None, optimizer=
             ``link_gbps``.
         strict: raise :class:`vmalloc.offload.ScheduleError` when no plan fits the budget,
             instead of warning once and saving everything.
+
+    Raises:
+        InvalidArgumentError: bad arguments, or a forward that reads a tensor's value (a
+            data-dependent branch that does not ask for FakeTensors, ``nonzero``): it cannot
+            be recorded, and ``torch.compile`` would break its graph there (train it eagerly
+            with :func:`vmalloc.torch.out_of_core`).
     """
     torch = _torch()
-    from vmalloc.offload import plan as make_plan, record
+    from vmalloc.frameworks.torch_compile_record import record_iteration, split_example
+    from vmalloc.offload import plan as make_plan
     from vmalloc.offload.hardware.gpus import get_gpu
-    from vmalloc.offload.sequence.recorder import _split_inputs
     from vmalloc.offload.scheduling.schedule import ScheduleError
     from vmalloc.sizes import parse_size
     if not isinstance(model, torch.nn.Module):
@@ -275,11 +286,10 @@ def policy(model, example, loss_fn=None, budget=None, link_gbps=None, optimizer=
     machine = get_gpu(gpu).with_(h2d_bandwidth=bw, d2h_bandwidth=bw, bidirectional_bandwidth=bw)
     if machine.memory_bytes < budget:
         machine = machine.with_(memory_bytes=budget)
-    args, _ = _split_inputs(example)
+    args = split_example(model, example)[2]
     # The batch makes the simulation report speed (images/s), which the planner maximizes.
     batch = next((int(a.shape[0]) for a in args if isinstance(a, torch.Tensor) and a.dim()), 1)
-    seq = _on_meta(record, model, example, loss_fn=loss_fn, optimizer=optimizer, batch=batch)
-    keys = _on_meta(_forward_keys, model, args)
+    seq, keys = record_iteration(model, example, loss_fn, optimizer, batch)
     counts = {SAVE: 0, RECOMPUTE: 0, OFFLOAD: 0, "persistent_swaps_ignored": 0}
     names = [f.name for f in seq.functions[:len(keys)]]
     chosen = make_plan(seq, gpu=machine, budget=budget, recompute=True)
@@ -303,23 +313,6 @@ def policy(model, example, loss_fn=None, budget=None, link_gbps=None, optimizer=
         1 for v in chosen.schedule.swapped_out()
         if v < len(seq.variables) and seq.variables[v].persistent)
     return result
-
-
-def _on_meta(fn, *args, **kwargs):
-    """``fn`` (which runs the model on the meta device), with a model that reads a tensor's
-    value refused by name: meta tensors have none (e.g. Hugging Face GPT-2's mask code,
-    ``(mask[:, -1] == 0).all()``)."""
-    try:
-        return fn(*args, **kwargs)
-    except RuntimeError as error:
-        if "meta" not in str(error):
-            raise
-        raise InvalidArgumentError(
-            "vmalloc.torch.policy records one training iteration on the meta device, and the "
-            "model's forward reads a tensor's value there (Tensor.item(), bool() or a "
-            f"data-dependent branch), which meta tensors do not have: {error}. Hugging Face "
-            "models do (transformers 5.17's mask code, with or without an attention mask): "
-            "train such a model eagerly with vmalloc.torch.out_of_core") from error
 
 
 def _mark_offloads(previous, graph, inputs):
@@ -373,10 +366,14 @@ def _region_class():
             super().__init__()
             self.model, self.plan = model, plan
 
-        def forward(self, *args):
+        def forward(self, *args, **kwargs):
             from torch.utils.checkpoint import checkpoint
+            # A branch on the plan's serial: dynamo guards it, so another plan recompiles
+            # (its cache is keyed on this code, and it guards nothing of context_fn).
+            if self.plan.serial < 0:
+                raise AssertionError("a plan's serial is never negative")
             return checkpoint(self.model, *args, use_reentrant=False,
-                              context_fn=self.plan.context_fn)
+                              context_fn=self.plan.context_fn, **kwargs)
 
     class Compiled(torch.nn.Module):
         def __init__(self, model, plan, compiled):
@@ -384,10 +381,10 @@ def _region_class():
             self.model, self.plan, self.compiled = model, plan, compiled
             self._config = offloading_config(plan.link_gbps)
 
-        def forward(self, *args):
+        def forward(self, *args, **kwargs):
             import torch._functorch.config as fc
             with fc.patch(**self._config):
-                return self.compiled(*args)
+                return self.compiled(*args, **kwargs)
     return Region, Compiled
 
 
