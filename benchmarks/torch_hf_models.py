@@ -2,16 +2,17 @@
 
 For each model: the steady-state step time plain, inside ``vmalloc.torch.out_of_core`` with no
 budget (the steady state: nothing to swap) and under a third of the in-core peak of the tracked
-storages (the dispatch path, swapping), as ratios to plain PyTorch measured in the same process,
+storages (the steady state under pressure once a probation fits), as ratios to plain PyTorch measured in the same process,
 with the microseconds added per aten op, and whether the losses are bit-identical to plain
 training (every run starts from the same seed and data). Skips when ``transformers`` is missing.
 
     PYTHONPATH=build/NAME/python python -P benchmarks/torch_hf_models.py [--steps N]
-        [--threads T]
+        [--threads T] [--pairs N] [--clock wall|cpu]
 
 As in ``torch_step_overhead.py``: one intra-op thread by default, each row the median of its
 per-step times beside a plain run of its own (the shared machine's load changes within
-seconds). Report ``python -m timeit pass`` beside the figures.
+seconds); ``--pairs`` and ``--clock`` as there. Report ``python -m timeit pass`` beside the
+figures.
 """
 
 import argparse
@@ -29,6 +30,9 @@ WARM = 8      # recording, recording again (the optimizer first seen), the proba
 #               probation each: GPT-2 at a third runs steady from its 7th step. The timed steps
 #               that ran steady are counted and printed (with 4, as before 2026-11-28, GPT-2's
 #               median took in its probations).
+
+
+CLOCK = time.perf_counter
 
 
 def gpt2():
@@ -84,9 +88,9 @@ def timed(build, steps, **kw):
         before = ooc.stats()["steady_iterations"] if ooc is not None else 0
         times = []
         for _ in range(steps):
-            start = time.perf_counter()
+            start = CLOCK()
             losses.append(step(model, opt, ids))
-            times.append(time.perf_counter() - start)
+            times.append(CLOCK() - start)
         timed_steady[0] = ooc.stats()["steady_iterations"] - before if ooc is not None else 0
         return statistics.median(times)
     timed_steady = [0]
@@ -100,37 +104,54 @@ def timed(build, steps, **kw):
 
 
 def main():
+    import statistics
+    global CLOCK
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--pairs", type=int, default=1)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     try:
         import transformers
     except ImportError:
         print("transformers is not installed: skipped")
         return 0
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, "
-          f"median of {args.steps} steps after {WARM} warm-up, {args.threads} thread(s)")
+          f"median of {args.steps} steps after {WARM} warm-up, {args.threads} thread(s), "
+          f"{args.clock} clock, {args.pairs} pair(s) a row")
     for name, build in (("GPT-2", gpt2), ("BERT", bert)):
         ops = aten_ops_per_step(build)
-        plain, ref, _ = timed(build, args.steps)
-        none, losses_none, stats = timed(build, args.steps, budget=None)
-        peak = stats["peak_device_bytes"]
-        plain3 = timed(build, args.steps)[0]
-        third, losses_third, stats3 = timed(build, args.steps, budget=max(peak // 3, 1))
+        peak = None
+        rows = []
+        for label, third in (("out_of_core, budget=None", False),
+                             ("out_of_core, a third of the peak", True)):
+            pairs = []
+            for _ in range(args.pairs):
+                base, ref, _ = timed(build, args.steps)
+                budget = max(peak // 3, 1) if third else None
+                t, losses, st = timed(build, args.steps, budget=budget)
+                peak = peak or st["peak_device_bytes"]
+                pairs.append((t, base, losses == ref))
+            rows.append((label, pairs, st))
         print(f"{name}: {ops} aten ops per step, in-core peak of tracked storages {peak} B")
-        for label, t, base, losses, st in (
-                ("out_of_core, budget=None", none, plain, losses_none, stats),
-                ("out_of_core, a third of the peak", third, plain3, losses_third, stats3)):
+        for label, pairs, st in rows:
+            t, base, same = pairs[-1]
             print(f"  {label:34s} {t * 1e3:8.1f} ms/step (plain {base * 1e3:7.1f})  "
                   f"{t / base:5.2f}x  +{(t - base) / ops * 1e6:7.1f} us/op  bit-identical "
-                  f"{losses == ref}, timed steps steady {st['timed_steady']} of {args.steps}, "
-                  f"steady iterations {st.get('steady_iterations', 0)} of "
+                  f"{all(p[2] for p in pairs)}, timed steps steady {st['timed_steady']} of "
+                  f"{args.steps}, steady iterations {st.get('steady_iterations', 0)} of "
                   f"{st['iterations']}, swapped out {st['swapped_out_bytes']} B, peak "
                   f"{st['peak_device_bytes']} B, steady swaps out/in "
                   f"{st['pressure_swap_outs']}/{st['pressure_swap_ins']}, refused: "
                   f"{st['pressure_refused']}")
+            if len(pairs) > 1:
+                ratios = [a / b for a, b, _ in pairs]
+                print(f"  {'':34s} ratios {' '.join(f'{r:.2f}' for r in ratios)}, median "
+                      f"{statistics.median(ratios):.2f}x, added per aten op median "
+                      f"{statistics.median((a - b) / ops * 1e6 for a, b, _ in pairs):.1f} us")
     return 0
 
 

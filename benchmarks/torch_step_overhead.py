@@ -11,7 +11,9 @@ the same process, with the aten ops per step and the microseconds added per op.
 
 Each row is timed right after a plain run of the same length (a fresh model), and each as the
 median of its per-step times: the machine is shared and its load changes within seconds, so a
-ratio is only taken between neighbours. ``--threads`` (default 1): PyTorch's intra-op threads
+ratio is only taken between neighbours. ``--pairs N`` repeats each (plain, out_of_core) pair N
+times and prints every ratio and their median; ``--clock cpu`` times with the process's CPU
+time (``time.process_time``: what other processes on a loaded machine take is not counted). ``--threads`` (default 1): PyTorch's intra-op threads
 (two threads on two shared cores made plain steps vary 20-fold). Report ``python -m timeit
 pass`` beside the figures.
 
@@ -53,6 +55,9 @@ def aten_ops_per_step(model, opt, x):
     return count_aten_ops(step, model, opt, x)
 
 
+CLOCK = time.perf_counter
+
+
 def timed_steps(model, opt, x, steps, warm=3):
     """The median seconds per step after ``warm`` steps (recording and the probation)."""
     import statistics
@@ -60,9 +65,9 @@ def timed_steps(model, opt, x, steps, warm=3):
         step(model, opt, x)
     times = []
     for _ in range(steps):
-        start = time.perf_counter()
+        start = CLOCK()
         step(model, opt, x)
-        times.append(time.perf_counter() - start)
+        times.append(CLOCK() - start)
     return statistics.median(times)
 
 
@@ -72,42 +77,52 @@ def plain_steps(layers, steps):
 
 
 def main():
+    import statistics
+    global CLOCK
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--pairs", type=int, default=1)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     model, opt, x = model_and_data(args.layers)
     ops = aten_ops_per_step(model, opt, x)
-    rows = []
-    plain = plain_steps(args.layers, args.steps)
-    rows.append(("plain PyTorch", plain, plain, None))
-    plain = plain_steps(args.layers, args.steps)
-    model, opt, x = model_and_data(args.layers)
     with vtorch.out_of_core(budget=None, backend="poison", device="cpu") as ooc:
-        none = timed_steps(model, opt, x, args.steps)
+        timed_steps(model, opt, x, 1)
     peak = ooc.stats()["peak_device_bytes"]
-    rows.append(("out_of_core, budget=None", none, plain, ooc.stats()))
-    for label, budget in (("out_of_core, ample budget (64 GiB)", "64GiB"),
+    rows = []
+    for label, budget in (("out_of_core, budget=None", None),
+                          ("out_of_core, ample budget (64 GiB)", "64GiB"),
                           ("out_of_core, half the in-core peak", max(peak // 2, 1))):
-        plain = plain_steps(args.layers, args.steps)
-        model, opt, x = model_and_data(args.layers)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with vtorch.out_of_core(budget=budget, backend="poison", device="cpu") as ooc:
-                t = timed_steps(model, opt, x, args.steps)
-        rows.append((label, t, plain, ooc.stats()))
+        pairs = []
+        for _ in range(args.pairs):
+            plain = plain_steps(args.layers, args.steps)
+            model, opt, x = model_and_data(args.layers)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with vtorch.out_of_core(budget=budget, backend="poison", device="cpu") as ooc:
+                    t = timed_steps(model, opt, x, args.steps)
+            pairs.append((t, plain))
+        rows.append((label, pairs, ooc.stats()))
     print(f"{args.layers}-layer TransformerEncoder, {ops} aten ops per step, "
           f"in-core peak of tracked storages {peak} bytes, median of {args.steps} steps "
-          f"after 3 warm-up, {args.threads} thread(s)")
-    for label, t, plain, stats in rows:
-        extra = "" if stats is None else (
-            f"  swapped out {stats['swapped_out_bytes']} B (+{stats['pressure_swap_outs']} "
-            f"steady swap-outs), steady iterations {stats.get('steady_iterations', 0)} of "
-            f"{stats['iterations']}, peak {stats['peak_device_bytes']} B")
+          f"after 3 warm-up, {args.threads} thread(s), {args.clock} clock, "
+          f"{args.pairs} pair(s) a row")
+    for label, pairs, stats in rows:
+        t, plain = pairs[-1]
+        ratios = [a / b for a, b in pairs]
+        extra = (f"  swapped out {stats['swapped_out_bytes']} B (+{stats['pressure_swap_outs']} "
+                 f"steady swap-outs), steady iterations {stats.get('steady_iterations', 0)} of "
+                 f"{stats['iterations']}, peak {stats['peak_device_bytes']} B")
         print(f"{label:38s} {t * 1e3:9.1f} ms/step (plain {plain * 1e3:6.1f})  "
               f"{t / plain:5.2f}x  +{(t - plain) / ops * 1e6:7.1f} us/op{extra}")
+        if len(pairs) > 1:
+            print(f"{'':38s} ratios {' '.join(f'{r:.2f}' for r in ratios)}, median "
+                  f"{statistics.median(ratios):.2f}x, added per aten op median "
+                  f"{statistics.median((a - b) / ops * 1e6 for a, b in pairs):.1f} us")
 
 
 if __name__ == "__main__":
