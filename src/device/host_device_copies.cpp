@@ -159,9 +159,8 @@ void HostDevice::enqueue_copy(const CopyJob& job, stream_t stream, bool wait) {
   };
   // A pageable copy on a stream with nothing to wait for runs here, now, as the stream's next
   // item: the caller waits for a DtoH copy anyway, and an HtoD copy would copy every byte to
-  // staging anyway. Handed to the stream's thread it cost two thread wakeups, dearest when
-  // the other core idles (the allocator protocol test's 2.3 M small reads: 134-184 s on an
-  // idle machine or CI, 27-47 s on a busy one).
+  // staging anyway. Handed to the stream's thread it cost two thread wakeups: a 16-byte read
+  // took 66 us on an idle 2-core VM, 3 us on a busy one (docs/benchmarks.md).
   if (job.call != DriverCall::copy_device && !queued.host_pinned &&
       streams_->run_if_idle(stream, [&] { run(queued); }, entry)) {
     counted = true;
