@@ -121,10 +121,9 @@ void StreamSet::destroy_event(event_t event, const char* entry) {
   // `removed` may hold the last reference to a destroyed stream: released here, unlocked.
 }
 
-StreamSet::Ticket StreamSet::enqueue_locked(stream_t stream,
-                                            const std::shared_ptr<StreamWorker>& worker,
-                                            StreamWorker::Task task,
-                                            std::vector<StreamDependency> deps) {
+void StreamSet::add_implicit_deps_locked(stream_t stream,
+                                         const std::shared_ptr<StreamWorker>& worker,
+                                         std::vector<StreamDependency>& deps) {
   if (stream == 0) {
     // Only streams with work not yet seen complete can order stream 0; those found complete
     // leave the busy set here.
@@ -143,6 +142,13 @@ StreamSet::Ticket StreamSet::enqueue_locked(stream_t stream,
     const std::uint64_t seq = legacy->last_enqueued();
     if (!legacy->done(seq)) deps.push_back({legacy, seq});
   }
+}
+
+StreamSet::Ticket StreamSet::enqueue_locked(stream_t stream,
+                                            const std::shared_ptr<StreamWorker>& worker,
+                                            StreamWorker::Task task,
+                                            std::vector<StreamDependency> deps) {
+  add_implicit_deps_locked(stream, worker, deps);
   busy_.insert(stream);  // before the work is queued: a bad_alloc leaves nothing untracked
   const std::uint64_t seq = worker->enqueue(std::move(task), std::move(deps));
   return Ticket{worker, seq};
@@ -198,6 +204,27 @@ void StreamSet::stream_wait_event(stream_t stream, event_t event, const char* en
   if (e.stream && e.stream != worker && !e.stream->done(e.seq))
     deps.push_back({e.stream, e.seq});
   if (!deps.empty()) enqueue_locked(stream, worker, nullptr, std::move(deps));
+}
+
+bool StreamSet::run_if_idle(stream_t stream, const std::function<void()>& task,
+                            const char* entry) {
+  std::shared_ptr<StreamWorker> worker;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    worker = stream_locked(stream, entry);
+    std::vector<StreamDependency> deps;
+    add_implicit_deps_locked(stream, worker, deps);
+    if (!deps.empty()) return false;
+    busy_.insert(stream);  // before the item exists, as in enqueue_locked
+    // Work queued from now on, here or on the default stream, is ordered after this item.
+    if (worker->begin_caller_run() == 0) return false;
+  }
+  struct End {
+    StreamWorker& worker;
+    ~End() { worker.end_caller_run(); }
+  } end{*worker};
+  task();  // unlocked, as on the stream's thread
+  return true;
 }
 
 void StreamSet::synchronize_stream(stream_t stream, const char* entry) {

@@ -48,10 +48,28 @@ void StreamWorker::wait(std::uint64_t seq) const {
   changed_.wait(lock, [&] { return completed_ >= seq; });
 }
 
+std::uint64_t StreamWorker::begin_caller_run() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!queue_.empty()) return 0;
+  queue_.push_back(Item{nullptr, {}, true});
+  return ++enqueued_;
+}
+
+void StreamWorker::end_caller_run() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.pop_front();  // the caller's item: first, as nothing was queued before it
+    ++completed_;
+  }
+  changed_.notify_all();  // waiters on it, and the thread if work was queued behind it
+}
+
 void StreamWorker::run() {
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
-    changed_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+    // An item its caller runs stays at the front until end_caller_run pops it.
+    changed_.wait(lock,
+                  [this] { return stopping_ || (!queue_.empty() && !queue_.front().caller_runs); });
     if (queue_.empty()) return;  // stopping, and drained
     // The item stays at the front until done, so "queue empty" means "all complete".
     Item& item = queue_.front();

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -54,6 +55,10 @@ class StreamSet {
   // Throws for an unknown stream (nothing queued then).
   void check_stream(stream_t stream, const char* entry) const;
   Ticket enqueue(stream_t stream, StreamWorker::Task task, const char* entry);
+  // Runs `task` on the calling thread, as the stream's next item, when it would not wait for
+  // anything (nothing queued on `stream`, no implicit dependency on another stream's work);
+  // returns false, running nothing, otherwise. `task` must not throw.
+  bool run_if_idle(stream_t stream, const std::function<void()>& task, const char* entry);
   void synchronize_stream(stream_t stream, const char* entry);
   void synchronize_all();
 
@@ -83,6 +88,10 @@ class StreamSet {
   };
   std::shared_ptr<StreamWorker> stream_locked(stream_t stream, const char* entry) const;
   Event& event_locked(event_t event, const char* entry);
+  // Adds to `deps` the default stream's implicit ordering for an item on `worker` (handle
+  // `stream`); drops from the busy set the streams found done.
+  void add_implicit_deps_locked(stream_t stream, const std::shared_ptr<StreamWorker>& worker,
+                                std::vector<StreamDependency>& deps);
   // Queues on `worker` (handle `stream`) with the default stream's implicit ordering.
   Ticket enqueue_locked(stream_t stream, const std::shared_ptr<StreamWorker>& worker,
                         StreamWorker::Task task, std::vector<StreamDependency> deps);

@@ -48,12 +48,19 @@ class StreamWorker {
   // Blocks until item `seq` and everything before it has run.
   void wait(std::uint64_t seq) const;
   void drain() const { wait(last_enqueued()); }
+  // A caller's run in place of the thread: if nothing is queued, queues an item that the
+  // calling thread runs itself and returns its sequence number (later items wait for it as
+  // for any other); else returns 0 and queues nothing. The caller then runs its work and
+  // calls end_caller_run() (exactly once, also when the work fails).
+  std::uint64_t begin_caller_run();
+  void end_caller_run();
   bool non_blocking() const noexcept { return non_blocking_; }
 
  private:
   struct Item {
     Task task;
     std::vector<StreamDependency> deps;
+    bool caller_runs = false;  // begin_caller_run's: the worker thread leaves it alone
   };
   void run();
 
