@@ -65,6 +65,8 @@ class Pressure:
                            pressure_peak_bound=0, pressure_replans=0, pressure_margin=0,
                            pressure_boundaries=0)
         self.dropped = frozenset()   # the boundary kinds the steady state's plan leaves out
+        self.deferred = False        # swap-outs waited for at the next work boundary
+        self.pending = []
 
     # --- hooks ----------------------------------------------------------------------------
     def _install(self, hooks=None):
@@ -189,6 +191,8 @@ class Pressure:
     def _note(self, what, ptr):
         entry = self.driver._storages.by_ptr.get(ptr)
         if entry is None:
+            if what == "wait":
+                return      # (a storage freed meanwhile: its bytes are no one's)
             self.log.append((self.n, what, None, 0, self._now()))
             return
         buf = entry[0]
@@ -203,10 +207,16 @@ class Pressure:
         ``refused`` says why)."""
         from vmalloc.frameworks.torch_pressure_plan import Probation, make_plan
         self.disarm()
-        # The fewest boundaries first: without the module post-hooks if that still fits.
-        for drop in (frozenset([POST]), frozenset()):
-            seen = Probation(self, drop)
-            plan, why = make_plan(seen)
+        # An asynchronous backend's swap-outs waited for late if that fits (else each at
+        # once: a GPU's queue drained at every swap-out), then the fewest boundaries: without
+        # the module post-hooks if that fits.
+        asynchronous = bool(getattr(self.driver.backend, "asynchronous", False))
+        for deferred in ((True, False) if asynchronous else (False,)):
+            for drop in (frozenset([POST]), frozenset()):
+                seen = Probation(self, drop, deferred)
+                plan, why = make_plan(seen)
+                if plan is not None:
+                    break
             if plan is not None:
                 break
         self.excess = seen.excess
@@ -214,7 +224,7 @@ class Pressure:
         if plan is None:
             self._keep_room()
             return False
-        self.keys, self.dropped = seen.keys, drop
+        self.keys, self.dropped, self.deferred = seen.keys, drop, seen.deferred
         self.counts["pressure_boundaries"] = len(self.keys)
         self.actions, slots, self.cycle, bound = plan
         self.slots = {}         # boundary -> positions of the tensors it binds
@@ -244,6 +254,7 @@ class Pressure:
         self.out = {}           # slot -> ptr, swapped out by the replay
         self.out_ptrs = {}      # ptr -> slot
         self.dead = []
+        self.pending = []       # ptrs swapping out, waited for at the next work boundary
         for slot in self.cycle:       # out as the probation left them
             if self.driver.backend.state(slot[1]) != "resident":
                 self.out[slot] = slot[1]
@@ -301,6 +312,8 @@ class Pressure:
 
     def _hit(self, i, exposes):
         """Boundary i, where the plan binds a storage or swaps."""
+        if self.pending:
+            self._settle()
         if self.dead:
             self._collect()
         if self.driver._storages.dead:
@@ -337,13 +350,26 @@ class Pressure:
                 if slot in self.out:
                     continue
                 backend.swap_out(ptr)
-                backend.wait(ptr)
+                if self.deferred:
+                    self.pending.append(ptr)    # (the copy overlaps the ops up to the next)
+                else:
+                    backend.wait(ptr)
                 self.out[slot] = ptr
                 self.out_ptrs[ptr] = slot
                 self.counts["pressure_swap_outs"] += 1
             elif slot in self.out:
                 self._bring_back(ptr)
                 self.counts["pressure_swap_ins"] += 1
+
+    def _settle(self):
+        """The deferred swap-outs waited for (an asynchronous backend: the host waits for
+        each copy, and its device memory is released; one brought back meanwhile is not
+        swapping out any more)."""
+        pending, self.pending = self.pending, []
+        backend = self.driver.backend
+        for ptr in pending:
+            if backend.state(ptr) == "swapping_out":
+                backend.wait(ptr)
 
     def _persistent(self, slot):
         entry = self.driver._storages.by_ptr.get(slot[1])
@@ -384,6 +410,7 @@ class Pressure:
             return halted       # (everything came back when it was found)
         if n == len(self.keys) and n in self.actions:
             self._act(self.actions[n])
+        self._settle()
         self.restore()
         self.bound = {}
         if n != len(self.keys):
@@ -395,6 +422,8 @@ class Pressure:
         """Every storage back where the runtime has it: transient ones resident, persistent
         ones as the runtime left them at the probation's end (divergence, the block's end,
         each iteration's end)."""
+        if self.pending:
+            self._settle()
         if self.dead:
             self._collect()
         backend = self.driver.backend

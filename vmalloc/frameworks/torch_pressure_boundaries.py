@@ -55,7 +55,8 @@ def tensors_of(obj):
 
 
 class Logging:
-    """The backend, with the swaps the runtime issues noted (the probation's proxy)."""
+    """The backend, with the swaps the runtime issues noted (the probation's proxy), and its
+    waits for swap-outs (the runtime counts a storage's bytes until its copy is waited for)."""
 
     def __init__(self, backend, note):
         self._backend = backend
@@ -73,3 +74,10 @@ class Logging:
         ptr = self._backend.swap_in(key, stream=stream)
         self._note("in", ptr)
         return ptr
+
+    def wait(self, key, stream=0):
+        # (a swap-out's wait: the runtime counts its bytes until then)
+        out = self._backend.state(key) == "swapping_out"
+        self._backend.wait(key, stream=stream)
+        if out:
+            self._note("wait", key)

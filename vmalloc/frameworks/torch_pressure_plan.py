@@ -17,6 +17,10 @@ from vmalloc.frameworks.torch_pressure_boundaries import UNPACK
 class _Plan:
     def __init__(self, pressure):
         self.n = len(pressure.keys)
+        # An asynchronous backend's swap-out is waited for at the next boundary where the
+        # replay works, not at once (its device bytes are held until then).
+        self.deferred = getattr(pressure, "deferred", False)
+        self.outs = []           # (probation time, boundary, bytes) of each swap-out
         self.times = pressure.times + [float("inf")]     # (boundary n: the iteration's end)
         self.holds = []          # (from time, to time, bytes) the replay holds longer
         self.actions = {}        # boundary (n: the iteration's end) -> [(what, slot)]
@@ -46,24 +50,37 @@ class _Plan:
         use = next((u for u in uses if u > t), float("inf"))
         return bisect.bisect_left(self.times, use) - 1
 
-    def out(self, slot, t, at, nb):
+    def out(self, slot, w, at, nb):
+        """A swap-out replayed at boundary ``at``; the probation's runtime counted its bytes
+        until time w (when it waited for the copy)."""
         if at <= self.n:
             self.act(at, "out", slot)
-        self.holds.append(self._held(t, self.times[min(at, self.n)], nb))
+        self.outs.append((w, at, nb))
+
+    def release_outs(self):
+        """Each swap-out's bytes held from the probation's release (its wait) to the replay's:
+        its own boundary, or deferred, the next one after it where the replay works (the
+        iteration's end if none); room meanwhile if the replay's comes first."""
+        work = sorted({at for at in self.actions if at < self.n} | {s >> 16 for s in self.slots})
+        for t, at, nb in self.outs:
+            if self.deferred and at < self.n:
+                k = bisect.bisect_right(work, at)
+                at = work[k] if k < len(work) else self.n
+            self.holds.append(self._held(t, self.times[min(at, self.n)], nb))
 
     def swap_in(self, slot, t, at, nb):
         self.act(at, "in", slot)
         when = self.times[at]
         self.holds.append((when, t, nb) if when < t else (t, when, -nb))
 
-    def pair(self, slot, t1, t2, nb, exposed, uses):
-        """A storage out from time t1 to t2 in the probation."""
+    def pair(self, slot, t1, t2, nb, exposed, uses, w):
+        """A storage out from time t1 to t2 in the probation (its bytes counted until w)."""
         at_out, at_in = self.out_at(t1, uses, exposed), self.in_at(t2, uses)
         if at_out < at_in:
-            self.out(slot, t1, at_out, nb)
+            self.out(slot, w, at_out, nb)
             self.swap_in(slot, t2, at_in, nb)
         else:                                  # no boundary between: stays resident
-            self.holds.append((t1, t2, nb))
+            self.holds.append((w, t2, nb))
 
     def bound(self, samples):
         """The largest device bytes of the replay: each sample plus what is held over it."""
@@ -98,17 +115,27 @@ def _spans(run, uses):
     return spans
 
 
-def _resident(plan, run):
+def _released(waits, t1, t2):
+    """When the probation's runtime stopped counting a storage swapped out at t1 (and back at
+    t2, None: not in this iteration): at the first wait for its copy in between, else (no wait
+    noted) at t1 itself, as if at once."""
+    k = bisect.bisect_left(waits, t1)
+    if k < len(waits) and (t2 is None or waits[k] <= t2):
+        return waits[k]
+    return t1
+
+
+def _resident(plan, run, waits):
     """A storage the replay cannot swap: held over every span the probation had it out."""
     t1 = None
     for _, what, nbytes, t in run:
         if what == "out":
             t1 = t
         elif t1 is not None:
-            plan.holds.append((t1, t, nbytes))
+            plan.holds.append((_released(waits, t1, t), t, nbytes))
             t1 = None
     if t1 is not None:
-        plan.holds.append((t1, float("inf"), nbytes))
+        plan.holds.append((_released(waits, t1, None), float("inf"), nbytes))
 
 
 class Probation:
@@ -117,9 +144,11 @@ class Probation:
     swap's gap counts the boundaries kept before it. Why: each boundary is a Python call in
     every steady step, and a plan that fits the budget without some kind of them saves those
     calls (the module forward post-hooks: a tenth of the boundaries, and PyTorch's slower
-    module call path while any global forward hook is registered)."""
+    module call path while any global forward hook is registered). ``deferred``: the
+    swap-outs are waited for at the next boundary where the replay works (an asynchronous
+    backend), so their bytes are held until then."""
 
-    def __init__(self, pressure, drop=frozenset()):
+    def __init__(self, pressure, drop=frozenset(), deferred=False):
         keep = [i for i, key in enumerate(pressure.keys) if key[0] not in drop]
         renumber = {i: j for j, i in enumerate(keep)}
         self.drop = drop
@@ -138,6 +167,7 @@ class Probation:
                     break
         self.uses, self.samples = pressure.uses, pressure.samples
         self.foreign, self.driver = pressure.foreign, pressure.driver
+        self.deferred = deferred
         self.excess = 0
 
 
@@ -151,6 +181,9 @@ def make_plan(pressure):
     for gap, what, slot, nbytes, t in pressure.log:
         runs.setdefault(slot, []).append((gap, what, nbytes, t))
     for slot, run in runs.items():
+        # (the probation's waits for swap-outs: when its runtime released their bytes)
+        waits = sorted(t for _, what, _, t in run if what == "wait")
+        run = [event for event in run if event[1] != "wait"]
         uses = pressure.uses.get(slot, ())
         if slot is None:
             return None, "a storage it swapped was not the driver's"
@@ -161,7 +194,7 @@ def make_plan(pressure):
             if exposed is None:
                 # Never at a boundary (a gradient summed inside the engine before it reaches
                 # a parameter: tied weights): it stays resident, its bytes counted.
-                _resident(plan, run)
+                _resident(plan, run, waits)
                 continue
             slot = exposed
         spans = _spans(run, uses)
@@ -179,9 +212,11 @@ def make_plan(pressure):
             elif t2 is None:
                 if persistent and spans[0][0] is not None:
                     return None, "a persistent storage stays out at the iteration's end"
-                plan.out(slot, t1, plan.out_at(t1, uses, exposed), nb)   # (or freed out)
+                plan.out(slot, _released(waits, t1, None), plan.out_at(t1, uses, exposed),
+                         nb)   # (or freed out)
             else:
-                plan.pair(slot, t1, t2, nb, exposed, uses)
+                plan.pair(slot, t1, t2, nb, exposed, uses, _released(waits, t1, t2))
+    plan.release_outs()
     bound = plan.bound(pressure.samples)
     budget = pressure.driver.runtime.budget
     pressure.excess = bound - budget if budget is not None and bound > budget else 0

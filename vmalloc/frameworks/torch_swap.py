@@ -4,7 +4,9 @@ A backend has the :class:`~vmalloc.offload.SwapManager`'s methods (``swap_out``,
 ``wait``, ``state``, ``stats``) keyed by storage pointers, plus ``register`` / ``unregister``
 (the driver tells it which storage lives at a pointer), ``discard`` (PyTorch freed a storage
 whose bytes are on the host) and ``tracks(ptr, nbytes)`` (whether the backend can swap that
-storage without moving it).
+storage without moving it). ``asynchronous`` (default False) says that a swap-out's copy runs
+while the host goes on, so the steady state under pressure waits for it only at its next
+boundary that works (:mod:`vmalloc.frameworks.torch_pressure`), not at once.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class PoisonSwap:
     as long as the live and kept copies together stay within the most the live ones ever
     held (``host_bytes_kept``; ``host_copies_reused`` counts the reuses).
     """
+
+    #: Copies are synchronous: a swap is complete when issued.
+    asynchronous = False
 
     def __init__(self):
         self._storages = {}   # ptr -> [storage weakref]
@@ -292,6 +297,10 @@ class CudaSwap:
     While a storage is not resident the backend holds it, so PyTorch cannot free memory whose
     bytes are on the host; the hold ends when its swap-in is waited.
     """
+
+    #: A swap-out copies on the manager's stream after the work queued before it; the host
+    #: waits only in ``wait`` (a wait at once would drain the GPU's queue at every swap-out).
+    asynchronous = True
 
     def __init__(self, manager, allocator):
         if not hasattr(allocator, "owns_chunks") or \
