@@ -347,7 +347,10 @@ class Recomputation:
                 except RecomputeError as error:
                     first = first or error
         if first is not None:
-            raise first
+            try:
+                raise first
+            finally:
+                first = None   # (this frame, in its traceback, would hold it: a cycle)
 
 
 def init_recompute_state(rt, recompute, gpu):

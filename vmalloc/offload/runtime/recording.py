@@ -131,7 +131,8 @@ class Recording:
             except ScheduleError as error:
                 # This budget cannot be scheduled (so): run on demand, which evicts as needed.
                 self._schedule = None
-                self.last_schedule_error = error
+                # (Without its traceback: its frames hold this runtime, a reference cycle.)
+                self.last_schedule_error = error.with_traceback(None)
             if self.recompute:
                 self._recompute_reason = None
                 if self.budget is None or (self._schedule is not None
