@@ -16,7 +16,7 @@ class Storages:
     anywhere, the runtime is not reentrant)."""
 
     def __init__(self, driver):
-        self.driver = driver
+        self.driver = weakref.proxy(driver)   # (it holds this: no reference cycle)
         self.by_ptr = {}        # ptr -> [buffer, [storage weakrefs], iteration adopted]
         self.dead = []          # ptrs whose storages died
 
@@ -192,7 +192,7 @@ class Readers:
     _METHODS = ("numpy", "tolist", "__array__")
 
     def __init__(self, driver):
-        self.driver = driver
+        self.driver = weakref.proxy(driver)   # (it holds this: no reference cycle)
         self.saved = {}
         self.check_compiled = True
 
@@ -295,7 +295,7 @@ class Kinds:
     storages are parameters, gradients, optimizer state or outlive their iteration."""
 
     def __init__(self, driver):
-        self.driver = driver
+        self.driver = weakref.proxy(driver)   # (it holds this: no reference cycle)
         self.in_step = 0
         self.fresh = []        # this iteration's created storages' buffers (None: in a step)
         self.index = {}        # id(buffer) -> its position in fresh
