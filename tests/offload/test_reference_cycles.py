@@ -235,6 +235,33 @@ def test_an_exception_a_test_keeps_holds_the_runtime_until_it_is_dropped():
     assert left_behind(case) == ([], Counter())
 
 
+
+def test_a_failed_rollback_of_a_failed_recompute_leaves_no_cycle():
+    """The rerun raises and releasing the memory mapped for it fails too (the driver
+    emulator's cuMemUnmap). Before: ``_recompute_now`` kept that second error in a local
+    while raising, and its traceback holds that frame: a cycle with the runtime."""
+    from vmalloc import testing
+
+    emu = testing.emulator()
+
+    def case():
+        dev = testing.emulated_cuda_device(capacity="4MiB", granularity="64KiB")
+        alloc = allocator_kinds.make_allocator("virtual", dev, chunk_size="64KiB")
+        m = Model(Runtime(alloc, recompute=True, scheduler="none"))
+        m.fails = 1
+        emu.set_fault("cuMemUnmap", 1, testing.failure_code("cuMemUnmap"))
+        try:
+            m.rt.restore_all()
+        except RecomputeError as error:
+            raised = str(error)
+        finally:
+            emu.clear_faults()
+        assert "releasing the memory mapped for it failed too" in raised
+        m.rt.restore_all()
+        assert m.a.state == "resident"
+        return {**refs_of(m.rt), "model": weakref.ref(m)}
+    assert left_behind(case) == ([], Counter())
+
 # --- the compressed swaps' backend ---------------------------------------------------------------
 
 def test_compressed_swaps_make_no_class_per_size():
@@ -363,6 +390,39 @@ def test_an_out_of_core_driver_left_by_an_error_is_freed_as_soon_as_it_is_droppe
         monkeypatch.undo()
         assert ooc.stats()["swap"]["host_bytes"] > 0
         ooc.runtime.restore_all()
+        return _driver_refs(ooc)
+    alive, found = left_behind(case)
+    assert alive == []
+    assert not set(found) - TORCH_PYTREE, found
+
+
+def test_an_out_of_core_driver_whose_exit_failed_is_freed_as_soon_as_it_is_dropped(
+        monkeypatch):
+    """The block ends normally but bringing the storages back fails: that error is raised on
+    leaving (caught and dropped here). Before: ``leaving`` raised it from a local of its own
+    frame, which its traceback holds, with the driver's steps: a cycle with the driver."""
+    torch = pytest.importorskip("torch")
+    import vmalloc.torch as vtorch
+    plain = torch.Tensor.copy_
+
+    def failing(self, src, *args, **kwargs):
+        if self.dtype == torch.uint8:
+            raise RuntimeError("restore failing")
+        return plain(self, src, *args, **kwargs)
+
+    def case():
+        step = _mlp(torch)
+        try:
+            with vtorch.out_of_core(budget="1MiB", backend="poison", device="cpu") as ooc:
+                for _ in range(2):
+                    step()
+                monkeypatch.setattr(torch.Tensor, "copy_", failing)
+        except RuntimeError as error:
+            raised = str(error)
+        monkeypatch.undo()
+        assert raised == "restore failing"
+        ooc.runtime.restore_all()
+        assert ooc.stats()["swap"]["host_bytes"] == 0
         return _driver_refs(ooc)
     alive, found = left_behind(case)
     assert alive == []

@@ -148,7 +148,10 @@ def leaving(exc_type, *steps, exc=None):
             warnings.warn(f"leaving out_of_core after {exc_type.__name__} failed too: "
                           f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)
     if first is not None:
-        raise first
+        try:
+            raise first
+        finally:
+            first = None   # (this frame, in its traceback, would hold it: a cycle)
 
 
 def make_mode(driver):
