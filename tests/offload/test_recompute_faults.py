@@ -25,9 +25,6 @@ from vmalloc import allocator_kinds, testing
 from vmalloc.offload import Runtime
 from vmalloc.offload.runtime.recompute import RecomputeError
 
-# Many worlds, many reference cycles: the session's heap is left out of their collections.
-pytestmark = pytest.mark.usefixtures("frozen_heap")
-
 KiB = 1 << 10
 SIZE = 160 * KiB          # three 64 KiB chunks: the virtual allocator's chunk path
 
