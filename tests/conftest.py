@@ -151,20 +151,3 @@ def make_device(request):
 def make_allocator(request):
     """A factory of allocators of each kind: ``make_allocator(device, **options)``."""
     return _available(ALLOCATOR_KINDS, request.param)
-
-
-@pytest.fixture
-def frozen_heap():
-    """The objects alive before the test are left out of the cyclic garbage collector's passes
-    while it runs (gc.freeze), and put back after (gc.unfreeze). A test that makes many
-    reference cycles triggers many full collections, each scanning everything the session
-    holds (PyTorch and dynamo leave millions of objects): the recompute fault matrix took 79 s
-    after the torch tests and 9 s alone. Objects the test makes are collected as usual."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()

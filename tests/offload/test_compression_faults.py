@@ -30,9 +30,6 @@ from vmalloc.offload import SwapManager
 from vmalloc.offload.runtime import compressing_swap
 from vmalloc.offload.runtime.compression import round_trip
 
-# Many worlds, many reference cycles: the session's heap is left out of their collections.
-pytestmark = pytest.mark.usefixtures("frozen_heap")
-
 KiB = 1 << 10
 MiB = 1 << 20
 

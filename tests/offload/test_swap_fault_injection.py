@@ -16,9 +16,6 @@ import pytest
 import vmalloc
 from vmalloc import allocator_kinds, offload, testing
 
-# Many worlds, many reference cycles: the session's heap is left out of their collections.
-pytestmark = pytest.mark.usefixtures("frozen_heap")
-
 MiB = 1 << 20
 
 

@@ -442,8 +442,8 @@ class OutOfCore:
         elif type(out) is tuple and all(isinstance(t, Tensor) for t in out):
             flat = out
         else:
-            from torch.utils._pytree import tree_flatten
-            flat = tree_flatten(out)[0]
+            from torch.utils._pytree import tree_leaves
+            flat = tree_leaves(out)
         return [t for t in flat if self._tracked(t)]
 
     def _new_buffers(self, tensors, known):

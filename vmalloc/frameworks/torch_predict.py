@@ -67,7 +67,7 @@ def predicted_bytes(driver, func, args, kwargs):
 
 def _on_meta(driver, func, args, kwargs, torch):
     from torch.utils._python_dispatch import _disable_current_modes
-    from torch.utils._pytree import tree_flatten, tree_map
+    from torch.utils._pytree import tree_leaves, tree_map
 
     device = driver.device_type
 
@@ -88,7 +88,7 @@ def _on_meta(driver, func, args, kwargs, torch):
     except Exception:   # no meta kernel, or it mixes devices: learn the sizes after
         return None
     total = 0
-    for t in tree_flatten(out)[0]:
+    for t in tree_leaves(out):     # (tree_flatten: a reference cycle per call, torch 2.13)
         if isinstance(t, torch.Tensor) and t.device.type == "meta":
             n = t.untyped_storage().nbytes()
             if n >= driver.min_bytes:

@@ -51,8 +51,8 @@ class Pressure:
     """Records the probation's boundaries and swaps, plans, and replays them (module docs)."""
 
     def __init__(self, steady):
-        self.steady = steady
-        self.driver = steady.driver
+        self.steady = weakref.proxy(steady)   # (it holds this: no reference cycle)
+        self.driver = steady.driver           # (a weak proxy too)
         self.probing = False
         self.active = False
         self.keys = []          # the probation's boundary keys, in order

@@ -16,7 +16,7 @@ class Storages:
     anywhere, the runtime is not reentrant)."""
 
     def __init__(self, driver):
-        self.driver = driver
+        self.driver = weakref.proxy(driver)   # (it holds this: no reference cycle)
         self.by_ptr = {}        # ptr -> [buffer, [storage weakrefs], iteration adopted]
         self.dead = []          # ptrs whose storages died
 
@@ -148,7 +148,10 @@ def leaving(exc_type, *steps, exc=None):
             warnings.warn(f"leaving out_of_core after {exc_type.__name__} failed too: "
                           f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)
     if first is not None:
-        raise first
+        try:
+            raise first
+        finally:
+            first = None   # (this frame, in its traceback, would hold it: a cycle)
 
 
 def make_mode(driver):
@@ -192,7 +195,7 @@ class Readers:
     _METHODS = ("numpy", "tolist", "__array__")
 
     def __init__(self, driver):
-        self.driver = driver
+        self.driver = weakref.proxy(driver)   # (it holds this: no reference cycle)
         self.saved = {}
         self.check_compiled = True
 
@@ -295,7 +298,7 @@ class Kinds:
     storages are parameters, gradients, optimizer state or outlive their iteration."""
 
     def __init__(self, driver):
-        self.driver = driver
+        self.driver = weakref.proxy(driver)   # (it holds this: no reference cycle)
         self.in_step = 0
         self.fresh = []        # this iteration's created storages' buffers (None: in a step)
         self.index = {}        # id(buffer) -> its position in fresh

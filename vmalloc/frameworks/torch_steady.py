@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 
 # The driver's ``stats()`` adds: ``steady_iterations`` (whole iterations run without the
 # mode; counted in ``iterations`` and ``scheduled_iterations`` too, and in
@@ -76,7 +77,7 @@ class Steady:
     """The driver's steady state (see the module docs)."""
 
     def __init__(self, driver):
-        self.driver = driver
+        self.driver = weakref.proxy(driver)   # (it holds this: no reference cycle)
         self.active = False       # the mode is popped: iterations run plain
         self.probing = False      # the probation iteration is being noted
         self.calls = []           # the probation iteration's (type(module), shapes)

@@ -10,6 +10,8 @@ under ``strict``), never silent.
 
 from __future__ import annotations
 
+import weakref
+
 
 class Unpredicted:
     """Measures what each op created (the bytes of its new tracked storages) against the
@@ -19,19 +21,19 @@ class Unpredicted:
     the next run makes room for it first."""
 
     def __init__(self, driver):
-        self.driver = driver
+        self.driver = weakref.proxy(driver)   # (it holds this: no reference cycle)
         self.sizes = {}      # (op, shapes and scalars of its arguments) -> measured bytes
 
     @staticmethod
     def _key(func, args, kwargs):
         import torch
-        from torch.utils._pytree import tree_flatten
+        from torch.utils._pytree import tree_leaves
 
         def part(x):
             if isinstance(x, torch.Tensor):
                 return (tuple(x.shape), x.dtype, x.device.type)
             return x if isinstance(x, (int, float, bool, str, type(None))) else repr(x)
-        return (str(func),) + tuple(part(x) for x in tree_flatten((args, kwargs))[0])
+        return (str(func),) + tuple(part(x) for x in tree_leaves((args, kwargs)))
 
     def measured(self, func, args, kwargs):
         """The bytes an earlier run of this op on these shapes created when its prediction

@@ -3,6 +3,7 @@ budget, and least-recently-used eviction (on demand, and under allocation pressu
 
 from __future__ import annotations
 
+import weakref
 from typing import List, Optional
 
 from vmalloc.errors import InvalidArgumentError, InvalidPointerError, OutOfMemoryError
@@ -26,7 +27,7 @@ class Buffer:
 
     def __init__(self, rt, bid, nbytes, ptr, persistent, movable=True, dtype=None,
                  kind="unknown"):
-        self._rt = rt
+        self._rt = weakref.ref(rt)   # (the runtime holds it: no cycle, freed when dropped)
         self.id = bid
         self.nbytes = nbytes
         self.footprint = rt._footprint(nbytes)  # device bytes it takes (chunk rounding)
@@ -42,8 +43,8 @@ class Buffer:
 
     @property
     def runtime(self):
-        """The :class:`~vmalloc.offload.Runtime` that tracks it."""
-        return self._rt
+        """The :class:`~vmalloc.offload.Runtime` that tracks it (None once that is gone)."""
+        return self._rt()
 
     @property
     def state(self) -> str:
@@ -143,7 +144,7 @@ class Residency:
         the memory, so a host copy is only dropped (the backend's ``discard``). Otherwise the
         memory still belongs to its owner with its bytes: a buffer on the host is swapped back
         in first, whatever the backend, so no data is lost."""
-        if not isinstance(buf, Buffer) or buf._rt is not self:
+        if not isinstance(buf, Buffer) or buf._rt() is not self:
             raise InvalidArgumentError(f"forget: {buf!r} is not a buffer of this runtime")
         if not buf.alive:
             return
@@ -261,7 +262,7 @@ class Residency:
 
     # --- bookkeeping -----------------------------------------------------------------------
     def _check_buffer(self, buf, what):
-        if not isinstance(buf, Buffer) or buf._rt is not self:
+        if not isinstance(buf, Buffer) or buf._rt() is not self:
             raise InvalidArgumentError(f"{what}: {buf!r} is not a buffer of this runtime")
         if not buf.alive:
             raise InvalidPointerError(f"{what}: buffer {buf.id} was deallocated")

@@ -12,15 +12,25 @@ block whose ``host_free`` failed is kept and freed again at the next call.
 
 from __future__ import annotations
 
-import ctypes
-
 from vmalloc.errors import InvalidArgumentError, OutOfMemoryError
 from vmalloc.offload.runtime.compression import FORMATS, from_half_bits, to_half_bits
 
 
-def _array(ptr, count, ctype):
+class _Memory:
+    """``count`` elements of ``typestr`` at ``ptr``, as NumPy reads them (a device address is a
+    host address on the emulated device). Not a ctypes array: ``c_float * count`` makes a
+    class per size, and every class is a reference cycle of its own, left to the collector."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, ptr, count, typestr):
+        self.__array_interface__ = dict(data=(ptr, False), shape=(count,), typestr=typestr,
+                                        version=3)
+
+
+def _array(ptr, count, dtype):
     import numpy as np
-    return np.ctypeslib.as_array((ctype * count).from_address(ptr))
+    return np.asarray(_Memory(ptr, count, np.dtype(dtype).str))    # (native byte order)
 
 
 class _Copy:
@@ -149,8 +159,8 @@ class CompressingSwap:
         try:
             # The cast reads what the program wrote: after the compute stream's work.
             self.device.synchronize_stream(stream)
-            bits = to_half_bits(_array(ptr, count, ctypes.c_float), fmt)
-            _array(ptr, count, ctypes.c_uint16)[...] = bits
+            bits = to_half_bits(_array(ptr, count, "float32"), fmt)
+            _array(ptr, count, "uint16")[...] = bits
             cast = True
             self.device.copy_to_host(host, ptr, count * 2, stream=self._d2h)
         except BaseException as first:
@@ -173,8 +183,8 @@ class CompressingSwap:
 
     @staticmethod
     def _cast_back(ptr, count, fmt):
-        bits = _array(ptr, count, ctypes.c_uint16).copy()
-        _array(ptr, count, ctypes.c_float)[...] = from_half_bits(bits, fmt)
+        bits = _array(ptr, count, "uint16").copy()
+        _array(ptr, count, "float32")[...] = from_half_bits(bits, fmt)
 
     def compressed(self, key):
         """Whether ``key`` names a compressed copy (out, or in flight back)."""

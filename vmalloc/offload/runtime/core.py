@@ -144,11 +144,10 @@ class Runtime(Compression, Residency, Recording, Following, Divergence, Recomput
         self._fn_name = None
         self._stats = dict(iterations=0, recorded_iterations=0, reschedules=0,
                            scheduled_iterations=0, on_demand_swap_ins=0, evictions=0,
-                           diverged_iterations=0, schedule_failures=0,
-                           scheduled_swap_outs=0, scheduled_swap_ins=0,
-                           prefetch_failures=0, functions=0, failed_functions=0,
-                           over_budget=0, recomputed_functions=0, recompute_drops=0,
-                           recompute_refused=0)
+                           diverged_iterations=0, schedule_failures=0, scheduled_swap_outs=0,
+                           scheduled_swap_ins=0, prefetch_failures=0, functions=0,
+                           failed_functions=0, over_budget=0, recomputed_functions=0,
+                           recompute_drops=0, recompute_refused=0)
         self.last_schedule_error = None
         self._schedule_error = None        # the message said when no schedule fits
         self._schedule_need = None         # (function name, bytes) it names
@@ -226,6 +225,7 @@ class Runtime(Compression, Residency, Recording, Following, Divergence, Recomput
             raise
         finally:
             self._following = False
+            self._iter_reruns = {}    # (its drops' only: the program's callables not kept)
         if self._rc_refused and not recorded:
             if self._sequence is not None:
                 self._replan_refused()     # (a plan the runtime could not follow)
@@ -316,7 +316,7 @@ class Runtime(Compression, Residency, Recording, Following, Divergence, Recomput
             raise InvalidArgumentError("exit_function: no function is running")
         self._in_function = False
         self._current = None
-        name = self._fn_name
+        name, rerun, self._fn_rerun = self._fn_name, self._fn_rerun, None   # (not kept)
         try:
             if self.at_boundary is not None:
                 self.at_boundary()
@@ -325,8 +325,8 @@ class Runtime(Compression, Residency, Recording, Following, Divergence, Recomput
             if failed:
                 self._abandon(f"function {self._step} ({name}) raised")
                 return
-            if self._fn_rerun is not None:
-                self._iter_reruns[self._step] = (self._fn_rerun, tuple(self._fn_reads),
+            if rerun is not None:
+                self._iter_reruns[self._step] = (rerun, tuple(self._fn_reads),
                                                  tuple(self._fn_writes))
                 if self._recording:
                     self._record_rerunnable.add(len(self._record_funcs))

@@ -279,6 +279,7 @@ class Recomputation:
             kept = self._unback(buf)
             note = "" if kept is None else (f" (releasing the memory mapped for it failed "
                                              f"too, {kept!r}: it stays mapped for the next try)")
+            kept = None    # (its traceback's frames hold this one: a reference cycle)
             raise RecomputeError(f"buffer {buf.id} could not be recomputed: {doing} raised "
                                  f"{error!r}; it stays dropped and is recomputed again when "
                                  f"next needed{note}") from error
@@ -347,7 +348,10 @@ class Recomputation:
                 except RecomputeError as error:
                     first = first or error
         if first is not None:
-            raise first
+            try:
+                raise first
+            finally:
+                first = None   # (this frame, in its traceback, would hold it: a cycle)
 
 
 def init_recompute_state(rt, recompute, gpu):

@@ -169,7 +169,8 @@ class Recording:
                 error = None
             except ScheduleError as e:
                 # This budget cannot be scheduled (so): run on demand, which evicts as needed.
-                schedule, error = None, e
+                # (Kept without its traceback: its frames hold this runtime, a reference cycle.)
+                schedule, error = None, e.with_traceback(None)
             if self.recompute:
                 self._recompute_reason = None
                 if self.budget is None or (schedule is not None

@@ -94,29 +94,48 @@ class _Trace:
 
 
 def _make_mode(trace, device_type, flop_registry):
+    # The class is made once: a class made per recording is a reference cycle of its own,
+    # which (its method's closure holding the trace) kept every storage seen until a full
+    # garbage collection.
+    global _mode_class
+    if _mode_class is None:
+        _mode_class = _define_mode()
+    return _mode_class(trace, device_type, flop_registry)
+
+
+_mode_class = None
+
+
+def _define_mode():
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
-
-    def key_of(t):
-        if not isinstance(t, torch.Tensor) or t.device.type != device_type:
-            return None
-        if t.layout != torch.strided:
-            return None
-        s = t.untyped_storage()
-        k = s._cdata
-        if k not in trace.storages:
-            trace.storages[k] = s
-            trace.sizes[k] = s.nbytes()
-        else:
-            n = s.nbytes()
-            if n > trace.sizes[k]:
-                trace.sizes[k] = n
-        return k
+    from torch.utils._pytree import tree_leaves
 
     class Mode(TorchDispatchMode):
+        def __init__(self, trace, device_type, flop_registry):
+            super().__init__()
+            self.trace, self.device_type, self.flop_registry = trace, device_type, flop_registry
+
+        def key_of(self, t):
+            if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
+                return None
+            if t.layout != torch.strided:
+                return None
+            trace = self.trace
+            s = t.untyped_storage()
+            k = s._cdata
+            if k not in trace.storages:
+                trace.storages[k] = s
+                trace.sizes[k] = s.nbytes()
+            else:
+                n = s.nbytes()
+                if n > trace.sizes[k]:
+                    trace.sizes[k] = n
+            return k
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            trace, key_of = self.trace, self.key_of
             # Decided before the op runs: autograd's accumulation is in place in eager mode.
             accumulation = aten_ops.is_accumulation(func, args, kwargs)
             out = func(*args, **kwargs)
@@ -132,7 +151,7 @@ def _make_mode(trace, device_type, flop_registry):
                 if read:
                     reads.append(k)
             read_set = set(reads)
-            flat_out, _ = tree_flatten(out)
+            flat_out = tree_leaves(out)
             out_keys = []
             for t in flat_out:
                 k = key_of(t)
@@ -144,7 +163,7 @@ def _make_mode(trace, device_type, flop_registry):
                 if k not in writes:
                     writes.append(k)
             flops = 0
-            formula = flop_registry.get(func._overloadpacket)
+            formula = self.flop_registry.get(func._overloadpacket)
             if formula is not None:
                 flops = int(formula(*args, **kwargs, out_val=out))
             name = str(func)
@@ -157,7 +176,7 @@ def _make_mode(trace, device_type, flop_registry):
                               flops))
             return out
 
-    return Mode()
+    return Mode
 
 
 def _split_inputs(example):
