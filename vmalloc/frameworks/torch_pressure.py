@@ -466,3 +466,4 @@ class Pressure:
             self.halted = None
             self._uninstall()
             self.bound = {}
+            self.hooks = None     # (its closures hold this: no cycle once the replay stops)
