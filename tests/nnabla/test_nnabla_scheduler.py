@@ -152,3 +152,20 @@ def test_out_of_core_has_the_shape_of_every_driver(baseline):
     assert st["device_bytes"] == ooc.runtime.stats()["device_bytes"]
     with pytest.raises(NotImplementedError, match="cannot take an external allocator"):
         vmalloc.nnabla.use_vmalloc()
+
+
+def test_a_scheduler_is_freed_as_soon_as_it_is_dropped():
+    """Before: the runtime's at_boundary was the driver's bound method, so driver and runtime
+    held each other until a full collection (with every array they track). With the
+    collector off, dropping the scheduler now frees both at once."""
+    import gc
+    import weakref
+    gc.collect()
+    gc.disable()
+    try:
+        losses, sched = _nets.train(3, ours())
+        refs = [weakref.ref(sched), weakref.ref(sched.runtime)]
+        del sched
+        assert [r() is None for r in refs] == [True, True]
+    finally:
+        gc.enable()

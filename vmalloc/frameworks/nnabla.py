@@ -50,6 +50,7 @@ what to install (nnabla's wheels exist for Python 3.8-3.10).
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Dict, List
 
 from vmalloc.frameworks.nnabla_swap import NnablaSwap, _nbytes
@@ -117,7 +118,15 @@ class OutOfCore:
         self.runtime = Runtime(None, budget=budget, scheduler=scheduler, window=window,
                                swap=self.backend, host_compute=False, persistent=persistent,
                                strict=strict)
-        self.runtime.at_boundary = self._collect
+        # Weak: the runtime (held by this driver) must not hold the driver back (a reference
+        # cycle would keep both, and the arrays they track, until a full collection).
+        collect = weakref.WeakMethod(self._collect)
+
+        def at_boundary():
+            method = collect()
+            if method is not None:
+                method()
+        self.runtime.at_boundary = at_boundary
         self.budget = self.runtime.budget
         self.window = self.runtime.window
         self.scheduler = scheduler
