@@ -25,6 +25,8 @@ def parse_size(value, what="size", allow_none=False):
     A fractional result must be a whole number of bytes ("1.5KiB" is 1536; "0.3B" is an error).
     Raises InvalidArgumentError naming ``what`` for anything else.
     """
+    if type(value) is int and 0 <= value <= MAX_SIZE:
+        return value        # (the common case first: every device read and write comes here)
     if value is None and allow_none:
         return None
     if isinstance(value, bool):
