@@ -155,7 +155,12 @@ def _runs(setup, res, attempt, make, ids, warmup, iters, compile_runs):
                 stats = o.stats()
             entry.update(budget_bytes=budget, **{k: stats.get(k) for k in (
                 "peak_device_bytes", "swapped_out_bytes", "swapped_in_bytes",
-                "on_demand_swap_ins", "recomputed_functions", "iterations")})
+                "on_demand_swap_ins", "recomputed_functions", "iterations",
+                # the steady states (without per-op Python) and, under pressure, whether
+                # the replay's swap-outs were waited for late (an asynchronous backend)
+                "steady_iterations", "pressure_iterations", "pressure_swap_outs",
+                "pressure_boundaries", "pressure_replans", "pressure_refused",
+                "pressure_deferred")})
             return entry
         return go
 

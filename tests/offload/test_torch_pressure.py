@@ -105,6 +105,7 @@ def test_pressure_steady_state_is_bit_identical_and_dispatches_nothing(div, repl
     p = ooc._steady.pressure
     assert p.dropped == {POST} and all(key[0] != POST for key in p.keys)
     assert s["pressure_boundaries"] == len(p.keys) > 0
+    assert s["pressure_deferred"] is False       # (the poison backend's copies are synchronous)
     assert [seen[i + 1][1] - seen[i][1] for i in range(first - 1, 6)] == [outs] * steady
     ins = sum(a == "in" for acts in ooc._steady.pressure.actions.values() for a, _ in acts)
     assert [seen[i + 1][2] - seen[i][2] for i in range(first - 1, 6)] == [ins] * steady
@@ -370,7 +371,7 @@ def test_an_asynchronous_backends_swap_outs_are_waited_for_at_the_next_working_b
     assert losses == plain and same_weights(weights, got)
     s = ooc.stats()
     assert s["pressure_iterations"] == 3 and s["steady_exits"] == 0
-    assert ooc._steady.pressure.deferred is True
+    assert ooc._steady.pressure.deferred is True and s["pressure_deferred"] is True
     assert s["pressure_peak_bound"] <= PEAK // 2
     # At each iteration's end nothing is pending or still swapping out.
     assert seen == [([], [])] * 7

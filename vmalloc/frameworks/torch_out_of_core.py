@@ -228,6 +228,7 @@ class OutOfCore:
         pressure = self._steady.pressure
         out.update(pressure.counts)
         out["pressure_refused"] = pressure.refused
+        out["pressure_deferred"] = pressure.deferred    # (swap-outs waited for late)
         out["iterations"] += self._steady.counts["steady_iterations"]
         out["scheduled_iterations"] += self._steady.counts["steady_iterations"]
         out["diverged_iterations"] += self._steady.late
