@@ -34,12 +34,14 @@ brings every storage back, pushes the mode again and records anew (as in
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 import weakref
 
-from vmalloc.frameworks.torch_pressure_boundaries import (GRAD, OP, PACK, POST, PRE, STEP, UNPACK,
-                                                          Logging, light_mode, tensors_of)
+from vmalloc.frameworks.torch_pressure_boundaries import (GRAD, OP, PACK, POST, STEP, UNPACK,
+                                                          Logging, light_mode, pre_key,
+                                                          tensors_of)
 from vmalloc.frameworks.torch_pressure_replay import Replay
 
 
@@ -104,9 +106,7 @@ class Pressure(Replay):
 
     def _pre(self, module, args):
         if threading.get_ident() == self.thread:
-            Tensor = sys.modules["torch"].Tensor
-            self._event((PRE, type(module), tuple([(a.shape, a.dtype) for a in args
-                                                   if isinstance(a, Tensor)])), args)
+            self._event(pre_key(module, args), args)
             self.steady.running = True
 
     def _post(self, module, args, out):
@@ -212,12 +212,10 @@ class Pressure(Replay):
         # once: a GPU's queue drained at every swap-out), then the fewest boundaries: without
         # the module post-hooks if that fits.
         asynchronous = bool(getattr(self.driver.backend, "asynchronous", False))
-        for deferred in ((True, False) if asynchronous else (False,)):
-            for drop in (frozenset([POST]), frozenset()):
-                seen = Probation(self, drop, deferred)
-                plan, why = make_plan(seen)
-                if plan is not None:
-                    break
+        for deferred, drop in itertools.product((True, False) if asynchronous else (False,),
+                                                (frozenset([POST]), frozenset())):
+            seen = Probation(self, drop, deferred)
+            plan, why = make_plan(seen)
             if plan is not None:
                 break
         self.excess = seen.excess
@@ -231,6 +229,10 @@ class Pressure(Replay):
         self.slots = {}         # boundary -> positions of the tensors it binds
         for slot in sorted(slots):
             self.slots.setdefault(slot >> 16, []).append(slot & 0xFFFF)
+        # The boundaries where the replay binds or swaps (those at the iteration's end are
+        # made by boundary()).
+        self.work = frozenset(self.slots) | frozenset(
+            i for i in self.actions if i < len(self.keys))
         self.counts["pressure_peak_bound"] = max(self.counts["pressure_peak_bound"], bound)
         return True
 

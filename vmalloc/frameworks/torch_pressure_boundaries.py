@@ -41,6 +41,15 @@ def light_mode(boundary):
     return _light(boundary)
 
 
+def pre_key(module, args):
+    """A module pre-hook boundary's key: the module's class (not the object: BERT makes its
+    loss module anew in every forward) and its tensor arguments' shapes and dtypes. One
+    function for the probation's hook and the steady state's, so their keys cannot drift."""
+    Tensor = sys.modules["torch"].Tensor
+    return (PRE, type(module), tuple([(a.shape, a.dtype) for a in args
+                                       if isinstance(a, Tensor)]))
+
+
 def tensors_of(obj):
     """The tensors a boundary exposes: a tensor, or those among a tuple's, list's or dict's
     items (a module's arguments or output; Hugging Face's outputs are dicts)."""

@@ -7,7 +7,7 @@ hooks, 144 optimizer-step ops) and the plan acts at fewer than a hundred of them
 probation's hooks go through one general ``Pressure._event`` that also records; these compare
 each boundary with the record inline (its key, no more) and call into the Pressure only where
 the plan binds a storage or swaps (``work``) or the iteration diverges. Measured in
-docs/benchmarks.md ("Fewer instructions per boundary").
+docs/benchmarks.md ("fewer and cheaper boundaries under pressure").
 
 Each hook counts its boundary only on the driver's thread while the steady state is active;
 the keys are the probation's (:meth:`Pressure._event` builds the same ones).
@@ -15,10 +15,10 @@ the keys are the probation's (:meth:`Pressure._event` builds the same ones).
 
 from __future__ import annotations
 
-import sys
 import threading
 
-from vmalloc.frameworks.torch_pressure_boundaries import GRAD, OP, PACK, POST, PRE, UNPACK
+from vmalloc.frameworks.torch_pressure_boundaries import (GRAD, OP, PACK, POST, UNPACK,
+                                                          pre_key)
 
 
 class Hooks:
@@ -28,10 +28,9 @@ class Hooks:
         p = pressure
         keys = p.keys
         nkeys = len(keys)
-        work = frozenset(p.slots) | frozenset(i for i in p.actions if i < nkeys)
+        work = p.work
         thread = p.thread
         get_ident = threading.get_ident
-        Tensor = sys.modules["torch"].Tensor
         hit, diverged = p._hit, p._diverged
 
         def at(key, exposes):
@@ -46,8 +45,7 @@ class Hooks:
 
         def pre(module, args):
             if get_ident() == thread and p.active:
-                at((PRE, type(module), tuple([(a.shape, a.dtype) for a in args
-                                              if isinstance(a, Tensor)])), args)
+                at(pre_key(module, args), args)
                 p.steady.running = True
 
         def post(module, args, out):
@@ -92,4 +90,3 @@ class Hooks:
 
         self.pre, self.post, self.grad, self.pack, self.unpack = pre, post, grad, pack, unpack
         self.op = op
-        self.work = work

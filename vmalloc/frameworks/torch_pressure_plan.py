@@ -19,8 +19,8 @@ class _Plan:
         self.n = len(pressure.keys)
         # An asynchronous backend's swap-out is waited for at the next boundary where the
         # replay works, not at once (its device bytes are held until then).
-        self.deferred = getattr(pressure, "deferred", False)
-        self.outs = []           # (probation time, boundary, bytes) of each swap-out
+        self.deferred = pressure.deferred
+        self.outs = []           # (probation's release time, boundary, bytes) of each swap-out
         self.times = pressure.times + [float("inf")]     # (boundary n: the iteration's end)
         self.holds = []          # (from time, to time, bytes) the replay holds longer
         self.actions = {}        # boundary (n: the iteration's end) -> [(what, slot)]
@@ -156,8 +156,7 @@ class Probation:
         self.keys = [key if key[0] != UNPACK else (UNPACK, renumber[key[1]])
                      for key in (pressure.keys[i] for i in keep)]
         self.times = [pressure.times[i] for i in keep]
-        self.log = [(bisect.bisect_left(keep, gap),) + rest for gap, *rest in pressure.log
-                    for rest in [tuple(rest)]]
+        self.log = [(bisect.bisect_left(keep, entry[0]),) + entry[1:] for entry in pressure.log]
         self.exposed = {}
         for buf, slots in pressure.exposed.items():
             for slot in slots:

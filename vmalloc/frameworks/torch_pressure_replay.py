@@ -11,6 +11,7 @@ import sys
 import weakref
 
 from vmalloc.frameworks.torch_pressure_boundaries import tensors_of
+from vmalloc.frameworks.torch_swap import _live
 
 
 class Replay:
@@ -31,7 +32,6 @@ class Replay:
                 self.out_ptrs[slot[1]] = slot
         from vmalloc.frameworks.torch_pressure_hooks import Hooks
         self.hooks = Hooks(self)
-        self.work = self.hooks.work   # boundaries where the plan binds or swaps
         self._install(self.hooks)
 
     def _diverged(self, i, key):
@@ -75,7 +75,6 @@ class Replay:
             self._act(acts)
 
     def _act(self, acts):
-        backend = self.driver.backend
         for what, slot in acts:
             if isinstance(slot, tuple):
                 s = self._persistent(slot)
@@ -88,17 +87,24 @@ class Replay:
             if what == "out":
                 if slot in self.out:
                     continue
-                backend.swap_out(ptr)
-                if self.deferred:
-                    self.pending.append(ptr)    # (the copy overlaps the ops up to the next)
-                else:
-                    backend.wait(ptr)
-                self.out[slot] = ptr
-                self.out_ptrs[ptr] = slot
+                # (deferred: the copy overlaps the ops up to the next working boundary)
+                self._take_out(slot, ptr, defer=self.deferred)
                 self.counts["pressure_swap_outs"] += 1
             elif slot in self.out:
                 self._bring_back(ptr)
                 self.counts["pressure_swap_ins"] += 1
+
+    def _take_out(self, slot, ptr, defer=False):
+        """Swaps the storage at ptr out, waited for now or (``defer``) at the next working
+        boundary, and notes it out."""
+        backend = self.driver.backend
+        backend.swap_out(ptr)
+        if defer:
+            self.pending.append(ptr)
+        else:
+            backend.wait(ptr)
+        self.out[slot] = ptr
+        self.out_ptrs[ptr] = slot
 
     def _settle(self):
         """The deferred swap-outs waited for (an asynchronous backend: the host waits for
@@ -112,13 +118,7 @@ class Replay:
 
     def _persistent(self, slot):
         entry = self.driver._storages.by_ptr.get(slot[1])
-        if entry is None:
-            return None
-        for ref in entry[1]:
-            s = ref()
-            if s is not None:
-                return s
-        return None
+        return None if entry is None else _live(entry[1])
 
     def _bring_back(self, ptr):
         backend = self.driver.backend
@@ -149,8 +149,7 @@ class Replay:
             return halted       # (everything came back when it was found)
         if n == len(self.keys) and n in self.actions:
             self._act(self.actions[n])
-        self._settle()
-        self.restore()
+        self.restore()          # (which first waits for what is pending)
         self.bound = {}
         if n != len(self.keys):
             return (f"steady state under pressure: the iteration passed {n} boundaries; the "
@@ -181,10 +180,7 @@ class Replay:
                 if slot in self.out:
                     self._bring_back(ptr)
             elif slot not in self.out and backend.state(ptr) == "resident":
-                backend.swap_out(ptr)
-                backend.wait(ptr)
-                self.out[slot] = ptr
-                self.out_ptrs[ptr] = slot
+                self._take_out(slot, ptr)
 
     def reads(self, tensors):
         """Whether reading ``tensors`` outside an op (None: every storage) would read one the
