@@ -20,6 +20,8 @@ an error on leaving ``out_of_core`` never hides the block's own error.
 """
 
 import ctypes
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -29,6 +31,9 @@ from vmalloc import allocator_kinds
 from vmalloc.offload import SwapManager
 from vmalloc.offload.runtime import compressing_swap
 from vmalloc.offload.runtime.compression import round_trip
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _mlp import mlp_and_step  # noqa: E402  (the MLP the reference-cycle tests train too)
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -340,25 +345,10 @@ def test_an_error_on_leaving_out_of_core_never_hides_the_block_error(monkeypatch
     torch = pytest.importorskip("torch")
     import vmalloc.torch as vtorch
 
-    def model_and_steps():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.ReLU(),
-                                    torch.nn.Linear(512, 512), torch.nn.ReLU(),
-                                    torch.nn.Linear(512, 10))
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        g = torch.Generator().manual_seed(1)
-
-        def step():
-            x = torch.randn(128, 128, generator=g)
-            torch.nn.functional.cross_entropy(model(x), x[:, :10].argmax(1)).backward()
-            opt.step()
-            opt.zero_grad()
-        return model, step
-
-    ref, ref_step = model_and_steps()
+    ref, ref_step = mlp_and_step(torch)
     for _ in range(2):
         ref_step()
-    model, step = model_and_steps()
+    model, step = mlp_and_step(torch)
     with pytest.raises(Injected, match="#1") as info, \
             pytest.warns(RuntimeWarning, match="leaving out_of_core after Injected"):
         with vtorch.out_of_core(budget="1MiB", backend="poison", device="cpu") as ooc:

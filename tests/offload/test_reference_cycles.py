@@ -12,12 +12,17 @@ object counted, not only vmalloc's, unless a case says why).
 """
 
 import gc
+import os
+import sys
 import warnings
 import weakref
 from collections import Counter
 
 import numpy as np
 import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _mlp import mlp_and_step  # noqa: E402  (the MLP the fault tests train too)
 
 import vmalloc
 from vmalloc import allocator_kinds
@@ -288,19 +293,7 @@ def test_compressed_swaps_make_no_class_per_size():
 # --- the PyTorch driver --------------------------------------------------------------------------
 
 def _mlp(torch):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.ReLU(),
-                                torch.nn.Linear(512, 512), torch.nn.ReLU(),
-                                torch.nn.Linear(512, 10))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    g = torch.Generator().manual_seed(1)
-
-    def step():
-        x = torch.randn(128, 128, generator=g)
-        torch.nn.functional.cross_entropy(model(x), x[:, :10].argmax(1)).backward()
-        opt.step()
-        opt.zero_grad()
-    return step
+    return mlp_and_step(torch)[1]
 
 
 def _transformer(torch):
@@ -364,18 +357,24 @@ def test_an_out_of_core_driver_is_freed_as_soon_as_it_is_dropped(run):
         assert found == Counter()
 
 
-def test_an_out_of_core_driver_left_by_an_error_is_freed_as_soon_as_it_is_dropped(monkeypatch):
-    """Every restore fails from the third step on: the block's error propagates (caught and
-    dropped here), the bytes stay on the host, ``restore_all`` brings them back once the fault
-    is gone; then nothing keeps the driver."""
-    torch = pytest.importorskip("torch")
-    import vmalloc.torch as vtorch
+def _failing_restores(torch):
+    """``Tensor.copy_`` that fails for byte views (the poison backend's restores) only."""
     plain = torch.Tensor.copy_
 
     def failing(self, src, *args, **kwargs):
         if self.dtype == torch.uint8:
             raise RuntimeError("restore failing")
         return plain(self, src, *args, **kwargs)
+    return failing
+
+
+def test_an_out_of_core_driver_left_by_an_error_is_freed_as_soon_as_it_is_dropped(monkeypatch):
+    """Every restore fails from the third step on: the block's error propagates (caught and
+    dropped here), the bytes stay on the host, ``restore_all`` brings them back once the fault
+    is gone; then nothing keeps the driver."""
+    torch = pytest.importorskip("torch")
+    import vmalloc.torch as vtorch
+    failing = _failing_restores(torch)
 
     def case():
         step = _mlp(torch)
@@ -403,12 +402,7 @@ def test_an_out_of_core_driver_whose_exit_failed_is_freed_as_soon_as_it_is_dropp
     frame, which its traceback holds, with the driver's steps: a cycle with the driver."""
     torch = pytest.importorskip("torch")
     import vmalloc.torch as vtorch
-    plain = torch.Tensor.copy_
-
-    def failing(self, src, *args, **kwargs):
-        if self.dtype == torch.uint8:
-            raise RuntimeError("restore failing")
-        return plain(self, src, *args, **kwargs)
+    failing = _failing_restores(torch)
 
     def case():
         step = _mlp(torch)
