@@ -8,6 +8,7 @@ is shared, as the Runtime's mixins share theirs)."""
 from __future__ import annotations
 
 import sys
+import threading
 import weakref
 
 from vmalloc.frameworks.torch_pressure_boundaries import tensors_of
@@ -31,6 +32,7 @@ class Replay:
                 self.out[slot] = slot[1]
                 self.out_ptrs[slot[1]] = slot
         from vmalloc.frameworks.torch_pressure_hooks import Hooks
+        self.thread = threading.get_ident()   # (the hooks capture it: this thread's iteration)
         self.hooks = Hooks(self)
         self._install(self.hooks)
 
